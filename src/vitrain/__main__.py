@@ -1,0 +1,3 @@
+from vitrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""Checkpoints: atomic single-file saves, keep-last-k, newest-complete lookup, safe loading."""
+
+from vitrain.checkpoint.manager import CheckpointError, CheckpointManager, find_latest_checkpoint, load_checkpoint
+
+__all__ = ["CheckpointError", "CheckpointManager", "find_latest_checkpoint", "load_checkpoint"]

@@ -1,0 +1,149 @@
+"""Command line: parse, resolve a config, call the library, map errors to exit codes.
+
+Exit codes: 0 success, 1 unexpected failure, 2 bad input (config, paths, checkpoints),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from vitrain.checkpoint import CheckpointError
+from vitrain.config import Config, ConfigError, Hardware, Plan, build_config, config_to_yaml, resolve
+from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
+
+log = logging.getLogger("vitrain")
+EXIT_BAD_INPUT = 2
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser, with_recipe: bool = True) -> None:
+    if with_recipe:
+        parser.add_argument(
+            "--recipe", default=DEFAULT_RECIPE, help=f"named recipe (default {DEFAULT_RECIPE}; see list-recipes)"
+        )
+    parser.add_argument(
+        "--config", action="append", default=[], type=Path, help="YAML file layered over the recipe (repeatable)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one dotted key (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitrain", description="Train vision transformers from scratch, fast.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a recipe (default: locality ViT on Fashion-MNIST)")
+    _add_config_arguments(train)
+    train.add_argument(
+        "--resume", metavar="auto|PATH", help="continue from the newest checkpoint of the run (auto) or a file"
+    )
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its configured data")
+    evaluate.add_argument(
+        "--checkpoint", required=True, type=Path, help="a checkpoint file (runs/.../checkpoints/step-*.pt)"
+    )
+    _add_config_arguments(evaluate, with_recipe=False)
+
+    show = commands.add_parser("show-config", help="print the resolved config as YAML")
+    _add_config_arguments(show)
+
+    commands.add_parser("list-recipes", help="named recipes and what they do")
+    commands.add_parser("list-models", help="registered models with their parameter counts")
+    return parser
+
+
+def load_config(base: Config, args: argparse.Namespace) -> Config:
+    return build_config(base, args.config, args.overrides)
+
+
+def make_plan(config: Config) -> Plan:
+    from vitrain.data import describe_source
+
+    return resolve(
+        config, describe_source(config.data), Hardware.detect(config.train.device), now=time.strftime("%Y%m%d-%H%M%S")
+    )
+
+
+def command_train(args: argparse.Namespace) -> int:
+    from vitrain.train import train
+
+    plan = make_plan(load_config(get_recipe(args.recipe), args))
+    summary = train(plan, resume=args.resume)
+    print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
+    return 0
+
+
+def command_eval(args: argparse.Namespace) -> int:
+    from vitrain.checkpoint import load_checkpoint
+    from vitrain.data import Normalize, build_loaders
+    from vitrain.train import build_model_for
+    from vitrain.train.evaluate import evaluate
+
+    payload = load_checkpoint(args.checkpoint)
+    config = load_config(Config.model_validate(payload["config"]), args)
+    plan = make_plan(config)
+    model = build_model_for(plan)
+    model.load_state_dict(payload["model"])
+    _, eval_loader = build_loaders(plan)
+    result = evaluate(model, eval_loader, Normalize(plan.mean, plan.std, plan.device), plan.precision, plan.device)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "step": payload["state"]["step"], **result}))
+    return 0
+
+
+def command_show_config(args: argparse.Namespace) -> int:
+    print(config_to_yaml(load_config(get_recipe(args.recipe), args)), end="")
+    return 0
+
+
+def command_list_recipes(args: argparse.Namespace) -> int:
+    for name, doc in list_recipes().items():
+        print(f"{name}{' (default)' if name == DEFAULT_RECIPE else ''}\n    {' '.join(doc.split())}")
+    return 0
+
+
+def command_list_models(args: argparse.Namespace) -> int:
+    from vitrain.models import build_model, list_models, num_parameters
+
+    print(f"{'name':32} {'params':>9}  description")
+    for spec in list_models():
+        params = num_parameters(build_model(spec.name, device="meta"))
+        print(f"{spec.name:32} {params / 1e6:8.2f}M  {spec.description}")
+    return 0
+
+
+COMMANDS = {
+    "train": command_train,
+    "eval": command_eval,
+    "show-config": command_show_config,
+    "list-recipes": command_list_recipes,
+    "list-models": command_list_models,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    redirect = logging_redirect_tqdm() if args.command == "train" else contextlib.nullcontext()
+    try:
+        with redirect:
+            return COMMANDS[args.command](args)
+    except (ConfigError, CheckpointError) as error:
+        print(f"vitrain: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("vitrain: interrupted", file=sys.stderr)
+        return 130

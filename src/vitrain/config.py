@@ -1,0 +1,452 @@
+"""One typed run configuration, loaded from recipe + YAML + ``--set`` overrides.
+
+A run is fully described by :class:`Config`. :func:`resolve` turns it into a frozen
+:class:`Plan` holding every derived number (scaled LR, steps per epoch, total and warmup
+steps, eval/checkpoint cadence) before anything expensive runs. Every user mistake is raised
+as :class:`ConfigError`, whose one-line message names the dotted key and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or its resources; the CLI exits with code 2."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    name: str = "locality_vit_tiny6_patch7"
+    """Registered model variant (see `vitrain list-models`)."""
+    patch_size: int | None = Field(None, ge=1)
+    """Patch size override; the variant's own when unset."""
+    head: Literal["cls", "gap"] | None = None
+    """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
+    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls."""
+    drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on embeddings, MLP outputs and before the head."""
+    attn_drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on attention probabilities."""
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Stochastic depth rate of the last block (linearly increasing from 0)."""
+
+
+class DataConfig(Section):
+    name: Literal["fashion-mnist", "imagefolder", "synthetic"] = "fashion-mnist"
+    """Data source."""
+    root: Path | None = None
+    """Dataset folder; fashion-mnist defaults to /usr/share/datasets/fashion-mnist."""
+    image_size: int = Field(28, ge=1)
+    """Side of the square model input, in pixels."""
+    limit_train: int | None = Field(None, ge=1)
+    """Use only the first N training samples (quick runs)."""
+    limit_eval: int | None = Field(None, ge=1)
+    """Use only the first N evaluation samples (quick runs)."""
+    num_workers: int = Field(4, ge=0)
+    """Decode worker processes for file-backed sources (in-memory sources need none)."""
+    scale: tuple[float, float] = (0.08, 1.0)
+    """RandomResizedCrop area range, as fractions of the image."""
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """RandomResizedCrop aspect-ratio range."""
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    """Probability of a horizontal flip."""
+    crop_pct: float = Field(0.875, gt=0.0, le=1.0)
+    """Eval: resize the short side to image_size / crop_pct, then center-crop image_size."""
+    mean: tuple[float, ...] | None = None
+    """Per-channel normalization mean (0..1 scale); the source's default when unset."""
+    std: tuple[float, ...] | None = None
+    """Per-channel normalization std (0..1 scale); the source's default when unset."""
+    synthetic_num_train: int = Field(4096, ge=1)
+    """Synthetic source: number of training samples."""
+    synthetic_num_eval: int = Field(1024, ge=1)
+    """Synthetic source: number of evaluation samples."""
+    synthetic_num_classes: int = Field(10, ge=2)
+    """Synthetic source: number of classes."""
+
+    @field_validator("scale", "ratio")
+    @classmethod
+    def _check_range(cls, value: tuple[float, float], info) -> tuple[float, float]:
+        low, high = value
+        if not 0 < low <= high:
+            raise ValueError(f"must be (low, high) with 0 < low <= high, got {value}")
+        if info.field_name == "scale" and high > 1:
+            raise ValueError(f"must not exceed 1.0 (a fraction of the image area), got {value}")
+        return value
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Base learning rate at optim.reference_batch; scaled linearly to the global batch."""
+    reference_batch: int = Field(1024, ge=1)
+    """Batch size at which optim.lr applies (lr = lr * global_batch / reference_batch)."""
+    weight_decay: float = Field(0.05, ge=0.0)
+    """Decoupled weight decay; never applied to norms, biases, position embeddings or tokens."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """SGD momentum (Nesterov off)."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+
+class ScheduleConfig(Section):
+    name: Literal["cosine", "constant"] = "cosine"
+    """LR decay after warmup."""
+    warmup_epochs: float = Field(0.0, ge=0.0)
+    """Linear warmup length, in epochs (fractions allowed)."""
+    warmup_start: float = Field(0.0, ge=0.0, le=1.0)
+    """Warmup starts at this fraction of the peak LR."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay, as a fraction of the peak LR."""
+
+
+class TrainConfig(Section):
+    batch_size: int = 256
+    """Global batch size (images per optimizer step)."""
+    epochs: float = Field(10.0, gt=0.0)
+    """Training length in epochs (fractions allowed)."""
+    steps: int | None = Field(None, ge=1)
+    """Training length in optimizer steps; replaces train.epochs when set."""
+    eval_batch_size: int | None = None
+    """Evaluation batch size; twice train.batch_size when unset."""
+    eval_every_epochs: int = Field(1, ge=0)
+    """Evaluate every N epochs (0: only at the end)."""
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    """Label smoothing of the cross-entropy loss."""
+    seed: int = 0
+    """Seed of model init, data order and augmentation."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu, cuda or cuda:N."""
+    out_dir: str = "runs/{recipe}-{time}"
+    """Run folder; {recipe} and {time} are filled in at start."""
+    log_every_steps: int = Field(50, ge=1)
+    """Write a metrics line every N steps (the only steps that synchronize with the device)."""
+    progress: bool | Literal["auto"] = "auto"
+    """Live progress bar (true/false); auto shows it only on a terminal."""
+
+
+class CheckpointConfig(Section):
+    every_epochs: int = Field(1, ge=0)
+    """Save every N epochs (0: only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Keep this many newest checkpoints."""
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    recipe: str = "custom"
+    """Name of the recipe this config came from."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where supported."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: recipe -> YAML file -> --set overrides -> validated Config
+
+
+def _format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    first = error.errors()[0]
+    path = [str(part) for part in first["loc"] if not isinstance(part, int)]
+    key = ".".join(([prefix] if prefix else []) + path) or "<config>"
+    if first["type"] == "extra_forbidden":
+        return _unknown_key_message(key)
+    got = first.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{key}: {first['msg']}{shown}; fix it in --config/--set (see `vitrain show-config`)"
+
+
+def _fields_of(key: str) -> list[str]:
+    """Dotted names of the keys beside ``key`` (its siblings), for suggestions."""
+    parent, _, _ = key.rpartition(".")
+    model: Any = Config
+    for part in filter(None, parent.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        model = field.annotation
+    prefix = f"{parent}." if parent else ""
+    return [prefix + name for name in model.model_fields]
+
+
+def _unknown_key_message(key: str) -> str:
+    close = difflib.get_close_matches(key, _fields_of(key), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "see `vitrain show-config` for the valid keys"
+    return f"unknown config key '{key}'; {hint}"
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(text: str) -> dict:
+    """``a.b=c`` -> ``{"a": {"b": c}}`` with ``c`` parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set '{text}': expected key=value, e.g. --set train.batch_size=128")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({error.problem})") from None
+    nested: dict = {}
+    cursor = nested
+    parts = key.split(".")
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    cursor[parts[-1]] = value
+    return nested
+
+
+def load_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass the path of a YAML config")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path}: not valid YAML ({error})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections at the top level")
+    return loaded
+
+
+def build_config(base: Config, files: list[Path] = (), overrides: list[str] = ()) -> Config:
+    """Layer YAML files and ``key=value`` overrides over ``base``; validate once."""
+    merged = base.model_dump(mode="json")
+    for path in files:
+        merged = _deep_merge(merged, load_yaml(Path(path)))
+    for text in overrides:
+        merged = _deep_merge(merged, parse_override(text))
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve(): all derived arithmetic, once
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What resolve() needs to know about the data, read cheaply from the source."""
+
+    num_train: int
+    num_eval: int
+    num_classes: int
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A resolved run: the config plus every derived value. Immutable."""
+
+    config: Config
+    device: str
+    precision: Literal["fp32", "bf16", "fp16"]
+    out_dir: Path
+    num_train: int
+    num_eval: int
+    num_classes: int
+    in_chans: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    patch_size: int
+    global_batch: int
+    eval_batch: int
+    lr: float
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    eval_every_steps: int
+    checkpoint_every_steps: int
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_batch_and_length(config: Config, num_train: int) -> int:
+    train = config.train
+    _require(
+        train.batch_size >= 1, f"train.batch_size must be >= 1 (got {train.batch_size}); set e.g. train.batch_size=256"
+    )
+    _require(
+        train.eval_batch_size is None or train.eval_batch_size >= 1,
+        f"train.eval_batch_size must be >= 1 (got {train.eval_batch_size}); or leave it null",
+    )
+    steps_per_epoch = num_train // train.batch_size
+    _require(
+        steps_per_epoch >= 1,
+        f"train.batch_size={train.batch_size} exceeds the {num_train} training samples; "
+        "lower train.batch_size or raise data.limit_train",
+    )
+    return steps_per_epoch
+
+
+def _resolve_patch_size(config: Config) -> int:
+    from vitrain.models import model_spec
+
+    try:
+        spec = model_spec(config.model.name)
+    except KeyError as error:
+        raise ConfigError(f"model.name: {error.args[0]}") from None
+    patch = config.model.patch_size or getattr(spec.args, "patch_size", 1)
+    _require(
+        config.data.image_size % patch == 0,
+        f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "
+        f"{config.model.name}; set data.image_size to a multiple of {patch} or change model.patch_size",
+    )
+    return patch
+
+
+def _resolve_device(requested: str, cuda_available: bool) -> str:
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    _require(
+        requested == "cpu" or requested.startswith("cuda"),
+        f"train.device={requested!r} is not known; use auto, cpu, cuda or cuda:N",
+    )
+    _require(
+        requested == "cpu" or cuda_available,
+        f"train.device={requested!r} but CUDA is not available here; use train.device=cpu",
+    )
+    return requested
+
+
+def _resolve_precision(requested: str, bf16_supported: bool) -> str:
+    if requested == "auto":
+        return "bf16" if bf16_supported else "fp32"
+    _require(
+        requested != "bf16" or bf16_supported,
+        "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
+    )
+    return requested
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The facts about the machine that resolve() depends on (injected so resolve stays pure)."""
+
+    cuda_available: bool
+    bf16_supported: bool
+
+    @classmethod
+    def detect(cls, device: str = "auto") -> Hardware:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        on_cuda = cuda and device != "cpu"
+        if on_cuda:
+            bf16 = torch.cuda.is_bf16_supported()
+        else:
+            bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cls(cuda_available=cuda, bf16_supported=bf16)
+
+
+def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now") -> Plan:
+    """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
+    patch = _resolve_patch_size(config)
+    steps_per_epoch = _check_batch_and_length(config, data.num_train)
+    device = _resolve_device(config.train.device, hardware.cuda_available)
+    precision = _resolve_precision(config.precision, hardware.bf16_supported)
+    for key in ("mean", "std"):
+        value = getattr(config.data, key)
+        _require(
+            value is None or len(value) == data.channels,
+            f"data.{key} has {len(value or ())} values but the data has {data.channels} channels; "
+            f"give {data.channels} values or null for the source default",
+        )
+    _require(
+        config.data.root is None or config.data.name != "synthetic",
+        "data.root is not used by data.name=synthetic; remove it",
+    )
+    batch = config.train.batch_size
+    if config.train.steps is not None:
+        total_steps = config.train.steps
+    else:
+        total_steps = max(1, round(config.train.epochs * steps_per_epoch))
+    warmup_steps = min(total_steps, round(config.schedule.warmup_epochs * steps_per_epoch))
+    eval_every = config.train.eval_every_epochs * steps_per_epoch
+    checkpoint_every = config.checkpoint.every_epochs * steps_per_epoch
+    out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
+    return Plan(
+        config=config,
+        device=device,
+        precision=precision,
+        out_dir=out_dir,
+        num_train=data.num_train,
+        num_eval=data.num_eval,
+        num_classes=data.num_classes,
+        in_chans=data.channels,
+        mean=tuple(config.data.mean or data.mean),
+        std=tuple(config.data.std or data.std),
+        patch_size=patch,
+        global_batch=batch,
+        eval_batch=config.train.eval_batch_size or 2 * batch,
+        lr=config.optim.lr * batch / config.optim.reference_batch,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        eval_every_steps=eval_every,
+        checkpoint_every_steps=checkpoint_every,
+    )
+
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DatasetInfo",
+    "Hardware",
+    "ModelConfig",
+    "OptimConfig",
+    "Plan",
+    "ScheduleConfig",
+    "TrainConfig",
+    "build_config",
+    "config_to_yaml",
+    "parse_override",
+    "resolve",
+]

@@ -1,0 +1,174 @@
+"""Resumable, epoch-seeded loaders.
+
+Each loader yields ``(uint8 images (B, C, H, W), int64 labels)`` and is positioned with
+``start_epoch(epoch, start_batch)``. Data order and augmentation are pure functions of
+``(seed, epoch, position)``, so a resumed run sees exactly the batches the uninterrupted run
+would have seen, whatever the worker count or restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from vitrain.config import Plan
+from vitrain.data import sources
+from vitrain.data.transforms import (
+    batch_eval_resize,
+    batch_random_resized_crop,
+    build_eval_transform,
+    build_train_transform,
+)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (NumPy's SeedSequence hashing)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def epoch_permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(count, generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
+
+
+class InMemoryLoader:
+    """Batches of an in-memory dataset, augmented per batch on the dataset's device."""
+
+    def __init__(self, dataset: sources.InMemoryDataset, plan: Plan, train: bool):
+        self.dataset, self.train = dataset, train
+        self.config = plan.config.data
+        self.seed = plan.config.train.seed
+        self.batch_size = plan.global_batch if train else plan.eval_batch
+        self.epoch, self.start_batch = 0, 0
+
+    def __len__(self) -> int:
+        if self.train:
+            return len(self.dataset) // self.batch_size
+        return -(-len(self.dataset) // self.batch_size)
+
+    def start_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        order = (
+            epoch_permutation(len(self.dataset), self.seed, self.epoch)
+            if self.train
+            else torch.arange(len(self.dataset))
+        )
+        device = self.dataset.images.device
+        for batch_index in range(self.start_batch, len(self)):
+            indices = order[batch_index * self.batch_size : (batch_index + 1) * self.batch_size].to(device)
+            images, labels = self.dataset.images[indices], self.dataset.labels[indices]
+            if self.train:
+                generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, batch_index))
+                images = batch_random_resized_crop(
+                    images, self.config.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
+                )
+            else:
+                images = batch_eval_resize(images, self.config.image_size, self.config.crop_pct)
+            yield images, labels
+
+
+class SeededSampler(Sampler):
+    """Yields ``(index, sample_seed)``: an epoch-seeded permutation (or identity), from a start."""
+
+    def __init__(self, count: int, seed: int, shuffle: bool):
+        self.count, self.seed, self.shuffle = count, seed, shuffle
+        self.epoch, self.start = 0, 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return self.count - self.start
+
+    def __iter__(self):
+        order = epoch_permutation(self.count, self.seed, self.epoch) if self.shuffle else torch.arange(self.count)
+        for position in range(self.start, self.count):
+            index = int(order[position])
+            yield index, derive_seed(self.seed, self.epoch, index)
+
+
+class ImageFileDataset(Dataset):
+    """Decodes ``(path, label)`` samples with Pillow (RGB) and applies a seeded v2 transform."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform):
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
+        index, sample_seed = key
+        path, label = self.samples[index]
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+        # The transform draws from torch's global RNG; seed it per sample, without disturbing
+        # the caller's stream, so augmentation is independent of workers and restarts.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed)
+            tensor = self.transform(image)
+        return tensor, torch.tensor(label)
+
+
+class FileLoader:
+    """A torch DataLoader over image files, positioned through its seeded sampler."""
+
+    def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
+        config = plan.config.data
+        self.train = train
+        self.batch_size = plan.global_batch if train else plan.eval_batch
+        transform = build_train_transform(config) if train else build_eval_transform(config)
+        self.dataset = ImageFileDataset(samples, transform)
+        self.sampler = SeededSampler(len(samples), plan.config.train.seed, shuffle=train)
+        workers = config.num_workers
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            drop_last=train,
+            num_workers=workers,
+            pin_memory=plan.device.startswith("cuda"),
+            persistent_workers=workers > 0,
+            prefetch_factor=4 if workers > 0 else None,
+        )
+
+    def __len__(self) -> int:
+        if self.train:
+            return len(self.dataset) // self.batch_size
+        return -(-len(self.dataset) // self.batch_size)
+
+    def start_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_position(epoch, start_batch * self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def _in_memory_split(plan: Plan, split: str) -> sources.InMemoryDataset:
+    config = plan.config.data
+    if config.name == "fashion-mnist":
+        dataset = sources.load_fashion_mnist(sources.fashion_mnist_root(config), split)
+    else:
+        dataset = sources.build_synthetic(config, plan.in_chans, split)
+    limit = config.limit_train if split == "train" else config.limit_eval
+    return dataset.limit(limit).to(plan.device)
+
+
+def build_loaders(plan: Plan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
+    """Train and eval loaders for the plan's data source."""
+    config = plan.config.data
+    if config.name == "imagefolder":
+        root = Path(sources.image_folder_root(config))
+        train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
+        eval_samples = sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
+        return FileLoader(train_samples, plan, train=True), FileLoader(eval_samples, plan, train=False)
+    return InMemoryLoader(_in_memory_split(plan, "train"), plan, True), InMemoryLoader(
+        _in_memory_split(plan, "eval"), plan, False
+    )

@@ -1,0 +1,210 @@
+"""Data sources. Every source yields ``(uint8 image CHW, int label)``; decoding is separate from
+augmentation. Small built-in datasets live in memory as one uint8 tensor."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import struct
+from pathlib import Path
+
+import torch
+
+from vitrain.config import ConfigError, DataConfig, DatasetInfo
+
+FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "eval": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+# Channel statistics of the Fashion-MNIST training set (computed from the 60k images).
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+
+
+class InMemoryDataset:
+    """Images as one uint8 tensor ``(N, C, H, W)`` with int64 labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int):
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"expected uint8 (N, C, H, W) images, got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.num_classes = images, labels.long(), num_classes
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def limit(self, count: int | None) -> InMemoryDataset:
+        if count is None:
+            return self
+        return InMemoryDataset(self.images[:count], self.labels[:count], self.num_classes)
+
+    def to(self, device: torch.device | str) -> InMemoryDataset:
+        return InMemoryDataset(self.images.to(device), self.labels.to(device), self.num_classes)
+
+
+# --- Fashion-MNIST (IDX files, Xiao et al. 2017) ------------------------------------------------
+
+
+def _missing_fashion_mnist(root: Path, name: str) -> ConfigError:
+    return ConfigError(
+        f"data.root: Fashion-MNIST file {root / name} is missing; install it with "
+        "`sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu) or put the four *-ubyte.gz files "
+        "from github.com/zalandoresearch/fashion-mnist in a folder and set data.root to it"
+    )
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read an IDX file (gzip or raw) of unsigned bytes into a uint8 tensor."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < 4:
+        raise ValueError(f"{path}: too short to be an IDX file")
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes (header {data[:4].hex()})")
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    payload = data[4 + 4 * ndim :]
+    expected = 1
+    for side in shape:
+        expected *= side
+    if len(payload) != expected:
+        raise ValueError(f"{path}: header promises {expected} bytes of data, file holds {len(payload)} (truncated?)")
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).reshape(shape)
+
+
+def _fashion_mnist_header_count(path: Path) -> int:
+    with gzip.open(path, "rb") as handle:
+        header = handle.read(8)
+    return struct.unpack(">I", header[4:8])[0]
+
+
+def fashion_mnist_root(config: DataConfig) -> Path:
+    root = config.root or FASHION_MNIST_ROOT
+    for names in FASHION_MNIST_FILES.values():
+        for name in names:
+            if not (root / name).is_file():
+                raise _missing_fashion_mnist(root, name)
+    return root
+
+
+def load_fashion_mnist(root: Path, split: str) -> InMemoryDataset:
+    image_file, label_file = FASHION_MNIST_FILES[split]
+    images, labels = read_idx(root / image_file), read_idx(root / label_file)
+    return InMemoryDataset(images.unsqueeze(1), labels.long(), num_classes=10)
+
+
+# --- ImageNet-layout folders ---------------------------------------------------------------------
+
+
+def _split_dir(root: Path, split: str) -> Path:
+    return root / ("train" if split == "train" else "val")
+
+
+def scan_image_folder(root: Path, classes: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+    """``root/<class>/<image>`` -> sorted ``(path, class index)`` pairs and the class names."""
+    if classes is None:
+        classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
+    index = {name: position for position, name in enumerate(classes)}
+    samples = []
+    for class_dir in sorted(entry for entry in root.iterdir() if entry.is_dir()):
+        if class_dir.name not in index:
+            raise ConfigError(
+                f"data.root: class folder {class_dir} has no counterpart in train/; "
+                "val/ must use the class names of train/"
+            )
+        for path in sorted(class_dir.rglob("*")):
+            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+                samples.append((str(path), index[class_dir.name]))
+    return samples, classes
+
+
+@functools.lru_cache(maxsize=8)
+def image_folder_samples(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """Samples of one split of an ImageNet-layout root (scanned once per process)."""
+    classes = None if split == "train" else image_folder_samples(root, "train")[1]
+    return scan_image_folder(_split_dir(root, split), classes)
+
+
+def image_folder_root(config: DataConfig) -> Path:
+    root = config.root
+    if root is None:
+        raise ConfigError("data.root is required for data.name=imagefolder; set it to a folder holding train/ and val/")
+    for split in ("train", "eval"):
+        folder = _split_dir(root, split)
+        if not folder.is_dir():
+            raise ConfigError(
+                f"data.root: {folder} does not exist; an ImageNet-layout root holds train/<class>/* and val/<class>/*"
+            )
+    return root
+
+
+# --- Synthetic (benchmarks and tests) --------------------------------------------------------------
+
+
+def build_synthetic(config: DataConfig, channels: int, split: str) -> InMemoryDataset:
+    """Seeded, learnable random data: each class has a smooth random prototype image, each
+    sample adds noise. Labels are learnable, so it serves smoke tests as well as throughput benchmarks."""
+    size, num_classes = config.image_size, config.synthetic_num_classes
+    count = config.synthetic_num_train if split == "train" else config.synthetic_num_eval
+    generator = torch.Generator().manual_seed(1234)
+    # Smooth prototypes (4x4 upsampled) keep their identity under crops and flips.
+    coarse = torch.rand(num_classes, channels, 4, 4, generator=generator) * 255
+    prototypes = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
+    generator.manual_seed(1 if split == "train" else 2)
+    labels = torch.randint(num_classes, (count,), generator=generator)
+    images = torch.empty(count, channels, size, size, dtype=torch.uint8)
+    for start in range(0, count, 1024):
+        chunk = labels[start : start + 1024]
+        noise = torch.randn(len(chunk), channels, size, size, generator=generator) * 40
+        images[start : start + len(chunk)] = (prototypes[chunk] + noise).clamp_(0, 255).to(torch.uint8)
+    return InMemoryDataset(images, labels, num_classes)
+
+
+SYNTHETIC_CHANNELS = 3
+
+
+# --- Describe: cheap metadata for resolve() ----------------------------------------------------------
+
+
+def _limited(count: int, limit: int | None) -> int:
+    return count if limit is None else min(count, limit)
+
+
+def describe_source(config: DataConfig) -> DatasetInfo:
+    """Read what resolve() needs without loading the data; raise ConfigError if it is missing."""
+    if config.name == "fashion-mnist":
+        root = fashion_mnist_root(config)
+        num_train = _fashion_mnist_header_count(root / FASHION_MNIST_FILES["train"][1])
+        num_eval = _fashion_mnist_header_count(root / FASHION_MNIST_FILES["eval"][1])
+        sizes = (num_train, num_eval, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+    elif config.name == "imagefolder":
+        root = image_folder_root(config)
+        train, classes = image_folder_samples(root, "train")
+        evaluation, _ = image_folder_samples(root, "eval")
+        if not train or not evaluation:
+            raise ConfigError(
+                f"data.root: no images found under {root}/train or {root}/val (extensions {IMAGE_EXTENSIONS})"
+            )
+        sizes = (len(train), len(evaluation), len(classes), 3, IMAGENET_MEAN, IMAGENET_STD)
+    else:
+        sizes = (
+            config.synthetic_num_train,
+            config.synthetic_num_eval,
+            config.synthetic_num_classes,
+            SYNTHETIC_CHANNELS,
+            (0.5,) * SYNTHETIC_CHANNELS,
+            (0.25,) * SYNTHETIC_CHANNELS,
+        )
+    num_train, num_eval, num_classes, channels, mean, std = sizes
+    return DatasetInfo(
+        num_train=_limited(num_train, config.limit_train),
+        num_eval=_limited(num_eval, config.limit_eval),
+        num_classes=num_classes,
+        channels=channels,
+        mean=mean,
+        std=std,
+    )

@@ -1,0 +1,113 @@
+"""Augmentation and normalization.
+
+Two implementations of the same train/eval geometry:
+- per sample, torchvision v2 on decoded PIL images (file-backed sources, in loader workers);
+- per batch, vectorized on a uint8 tensor (in-memory sources), with a seeded generator per batch,
+  so small datasets never touch a Python-per-image loop (the airbench loader idea).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+
+from vitrain.config import DataConfig
+
+
+def eval_resize_size(image_size: int, crop_pct: float) -> int:
+    return math.floor(image_size / crop_pct)
+
+
+def build_train_transform(config: DataConfig) -> v2.Compose:
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(config.image_size, scale=config.scale, ratio=config.ratio, antialias=True),
+            v2.RandomHorizontalFlip(config.hflip),
+            v2.PILToTensor(),
+        ]
+    )
+
+
+def build_eval_transform(config: DataConfig) -> v2.Compose:
+    return v2.Compose(
+        [
+            v2.Resize(eval_resize_size(config.image_size, config.crop_pct), antialias=True),
+            v2.CenterCrop(config.image_size),
+            v2.PILToTensor(),
+        ]
+    )
+
+
+def _sample_crop_boxes(
+    batch: int, height: int, width: int, scale, ratio, generator: torch.Generator, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RandomResizedCrop boxes (x0, y0, w, h) in pixels, torchvision's rule: up to 10 tries of
+    (area fraction, log-uniform aspect ratio) per image; the whole image when none fits."""
+    tries = 10
+    area = height * width * torch.empty(batch, tries, device=device).uniform_(*scale, generator=generator)
+    log_ratio = torch.empty(batch, tries, device=device).uniform_(
+        math.log(ratio[0]), math.log(ratio[1]), generator=generator
+    )
+    aspect = log_ratio.exp()
+    crop_w, crop_h = (area * aspect).sqrt(), (area / aspect).sqrt()
+    fits = (crop_w <= width) & (crop_h <= height)
+    first = torch.where(fits.any(1), fits.float().argmax(1), torch.zeros_like(fits[:, 0], dtype=torch.long))
+    rows = torch.arange(batch, device=device)
+    crop_w, crop_h = crop_w[rows, first], crop_h[rows, first]
+    none_fit = ~fits.any(1)
+    crop_w = torch.where(none_fit, torch.full_like(crop_w, width), crop_w)
+    crop_h = torch.where(none_fit, torch.full_like(crop_h, height), crop_h)
+    x0 = torch.rand(batch, device=device, generator=generator) * (width - crop_w)
+    y0 = torch.rand(batch, device=device, generator=generator) * (height - crop_h)
+    return x0, y0, crop_w, crop_h
+
+
+def batch_random_resized_crop(
+    images: torch.Tensor, size: int, scale, ratio, hflip: float, generator: torch.Generator
+) -> torch.Tensor:
+    """RandomResizedCrop + horizontal flip for a uint8 batch, each image its own box (bilinear)."""
+    batch, _, height, width = images.shape
+    device = images.device
+    x0, y0, crop_w, crop_h = _sample_crop_boxes(batch, height, width, scale, ratio, generator, device)
+    flip = torch.rand(batch, device=device, generator=generator) < hflip
+    # affine_grid maps output coords in [-1, 1] to input coords in [-1, 1] (align_corners=False).
+    theta = torch.zeros(batch, 2, 3, device=device)
+    theta[:, 0, 0] = torch.where(flip, -crop_w, crop_w) / width
+    theta[:, 0, 2] = (2 * x0 + crop_w) / width - 1
+    theta[:, 1, 1] = crop_h / height
+    theta[:, 1, 2] = (2 * y0 + crop_h) / height - 1
+    grid = F.affine_grid(theta, [batch, images.shape[1], size, size], align_corners=False)
+    out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def batch_eval_resize(images: torch.Tensor, size: int, crop_pct: float) -> torch.Tensor:
+    """Resize the short side to size / crop_pct, then center-crop ``size`` (uint8 batch)."""
+    height, width = images.shape[-2:]
+    short = eval_resize_size(size, crop_pct)
+    if (height, width) == (size, size) and short == size:
+        return images
+    # torchvision's Resize(int): the long side is truncated, the crop offset rounded.
+    if height <= width:
+        new_h, new_w = short, int(short * width / height)
+    else:
+        new_h, new_w = int(short * height / width), short
+    resized = F.interpolate(images.float(), size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    cropped = resized[..., top : top + size, left : left + size]
+    return cropped.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class Normalize:
+    """uint8 batch -> float, (x / 255 - mean) / std, as one fused multiply-add on the device."""
+
+    def __init__(self, mean, std, device: torch.device | str):
+        std_tensor = torch.tensor(std, device=device).view(1, -1, 1, 1)
+        self.scale = 1.0 / (255.0 * std_tensor)
+        self.shift = -torch.tensor(mean, device=device).view(1, -1, 1, 1) / std_tensor
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.shift, images.float(), self.scale)

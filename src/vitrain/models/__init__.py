@@ -1,0 +1,111 @@
+"""Model registry: variants by name, each a builder plus a typed, frozen args object."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain.models.layers import resample_pos_embed
+from vitrain.models.vit import VisionTransformer, ViTArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    builder: Callable[..., nn.Module]
+    args: Any
+    description: str
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(name: str, builder: Callable[..., nn.Module], args: Any, description: str) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"model {name!r} is already registered")
+    _REGISTRY[name] = ModelSpec(name, builder, args, description)
+
+
+def model_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        import difflib
+
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "see `vitrain list-models`"
+        raise KeyError(f"unknown model {name!r}; {hint}")
+    return _REGISTRY[name]
+
+
+def list_models() -> list[ModelSpec]:
+    return [_REGISTRY[name] for name in sorted(_REGISTRY)]
+
+
+def build_model(
+    name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None, **overrides: Any
+) -> nn.Module:
+    """Build variant ``name`` with some of its args replaced; ``None`` overrides are ignored."""
+    spec = model_spec(name)
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    unknown = set(changes) - {field.name for field in dataclasses.fields(spec.args)}
+    if unknown:
+        raise TypeError(f"{name} has no argument(s) {sorted(unknown)}")
+    return spec.builder(dataclasses.replace(spec.args, **changes), device=device, dtype=dtype)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+# ViT sizes: Ti/S/B from DeiT (Touvron et al. 2021, Table 1), the same as seed 001's B/16.
+_VIT_SIZES = {
+    "tiny": {"embed_dim": 192, "depth": 12, "num_heads": 3},
+    "small": {"embed_dim": 384, "depth": 12, "num_heads": 6},
+    "base": {"embed_dim": 768, "depth": 12, "num_heads": 12},
+}
+
+
+def _register_vit_family() -> None:
+    for size, dims in _VIT_SIZES.items():
+        register_model(
+            f"vit_{size}_patch16",
+            VisionTransformer,
+            ViTArgs(**dims, patch_size=16),
+            f"ViT-{size[0].upper()}/16 (Dosovitskiy et al. 2021)",
+        )
+        register_model(
+            f"locality_vit_{size}_patch16",
+            VisionTransformer,
+            ViTArgs(**dims, patch_size=16, ffn="locality"),
+            f"locality ViT-{size[0].upper()}/16: 3x3 depthwise conv + h-swish in the FFN (seed 004)",
+        )
+    # Small images (Fashion-MNIST): 6 blocks of ViT-Ti width; patch 7 -> a 4x4 grid at 28 px,
+    # the best accuracy per CPU-second we measured at equal time (docs/benchmarks.md).
+    small_image = {"embed_dim": 192, "depth": 6, "num_heads": 3, "patch_size": 7, "img_size": 28}
+    register_model(
+        "vit_tiny6_patch7", VisionTransformer, ViTArgs(**small_image), "6-block ViT-Ti, patch 7, for 28 px images"
+    )
+    register_model(
+        "locality_vit_tiny6_patch7",
+        VisionTransformer,
+        ViTArgs(**small_image, ffn="locality"),
+        "6-block locality ViT-Ti, patch 7, for 28 px images (default recipe)",
+    )
+
+
+_register_vit_family()
+
+__all__ = [
+    "ModelSpec",
+    "VisionTransformer",
+    "ViTArgs",
+    "build_model",
+    "list_models",
+    "model_spec",
+    "num_parameters",
+    "register_model",
+    "resample_pos_embed",
+]

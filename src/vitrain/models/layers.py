@@ -1,0 +1,184 @@
+"""Transformer building blocks shared by the ViT family.
+
+Parameter names follow timm's ``VisionTransformer`` (``attn.qkv``, ``mlp.fc1`` ...) so state
+dicts move between the two without renaming. Every constructor takes ``device``/``dtype`` so a
+model can be built on the meta device and materialized later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Grid = tuple[int, int]
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016)."""
+
+    def __init__(self, rate: float = 0.0):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rate == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.rate
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask.div_(keep)
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate}"
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens, by a strided convolution."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, device=device, dtype=dtype)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+        height, width = images.shape[-2:]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(f"input {height}x{width} is not divisible by the patch size {self.patch_size}")
+        x = self.proj(images)
+        grid = (x.shape[-2], x.shape[-1])
+        return x.flatten(2).transpose(1, 2), grid
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        impl: Literal["sdpa", "matmul"] = "sdpa",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.impl = impl
+        self.qkv = nn.Linear(dim, dim * 3, device=device, dtype=dtype)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        dropout = self.attn_drop if self.training else 0.0
+        if self.impl == "sdpa":
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        else:
+            weights = (q * self.scale) @ k.transpose(-2, -1)
+            weights = F.dropout(weights.softmax(dim=-1), dropout, self.training)
+            x = weights @ v
+        x = x.transpose(1, 2).reshape(batch, tokens, dim)
+        return self.proj_drop(self.proj(x))
+
+
+class Mlp(nn.Module):
+    """FFN of ViT: expand, GELU, reduce."""
+
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class LocalityMlp(nn.Module):
+    """FFN with locality (Borealis, seed 004 §2.1): FC expand -> Seq2Im -> 3x3 depthwise conv
+    -> h-swish -> Im2Seq -> FC reduce.
+
+    Prefix tokens (CLS) have no grid position, so they bypass the convolution and take
+    FC -> h-swish -> FC; the paper's figure shows only patch tokens.
+    """
+
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.num_prefix_tokens = num_prefix_tokens
+        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.conv = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, device=device, dtype=dtype)
+        self.act = nn.Hardswish()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        x = self.fc1(x)
+        prefix, patches = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens :]
+        batch, tokens, hidden = patches.shape
+        image = patches.transpose(1, 2).reshape(batch, hidden, *grid)
+        patches = self.conv(image).flatten(2).transpose(1, 2)
+        x = torch.cat([prefix, patches], dim=1) if self.num_prefix_tokens else patches
+        return self.drop2(self.fc2(self.drop1(self.act(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + MSA(LN(x)), then x + FFN(LN(x)) (seed 004, eq. 1)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_hidden: int,
+        mlp_type: type[nn.Module] = Mlp,
+        num_prefix_tokens: int = 0,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        attn_impl: Literal["sdpa", "matmul"] = "sdpa",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, **factory)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.mlp = mlp_type(dim, mlp_hidden, drop, num_prefix_tokens, **factory)
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x), grid))
+
+
+def resample_pos_embed(pos_embed: torch.Tensor, new_grid: Grid, num_prefix_tokens: int) -> torch.Tensor:
+    """Resize a learned ``(1, prefix + H*W, D)`` position embedding to ``new_grid`` (bicubic).
+
+    Prefix-token embeddings (CLS) are kept apart and unchanged. The old grid must be square.
+    """
+    prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    old_side = math.isqrt(patches.shape[1])
+    if old_side * old_side != patches.shape[1]:
+        raise ValueError(f"cannot resample a non-square grid of {patches.shape[1]} position embeddings")
+    if (old_side, old_side) == tuple(new_grid):
+        return pos_embed
+    dim = patches.shape[-1]
+    image = patches.reshape(1, old_side, old_side, dim).permute(0, 3, 1, 2).float()
+    image = F.interpolate(image, size=new_grid, mode="bicubic", align_corners=False, antialias=True)
+    patches = image.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(pos_embed.dtype)
+    return torch.cat([prefix, patches], dim=1)

@@ -1,0 +1,134 @@
+"""Vision Transformer (Dosovitskiy et al., ICLR 2021) and the locality ViT (Irandoust et al.,
+"Training a ViT from scratch in less than 24 hours with 1 GPU", NeurIPS 2022 workshop; seed 004).
+
+Choices that differ from the papers:
+- ``head="gap"`` drops the CLS token and classifies LayerNorm(mean of patch tokens), the pooled
+  classifier of pycls (seed 002) and timm's ``global_pool="avg"``; the final norm then moves
+  after the pooling (``fc_norm``), as in timm, so state dicts stay interchangeable.
+- The locality FFN lets the CLS token skip the depthwise convolution (it has no grid position).
+- Initialization follows timm: truncated normal (std 0.02) for linear layers and position
+  embeddings, tiny normal for the CLS token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vitrain.models.layers import Block, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTArgs:
+    """Architecture of a ViT-family model."""
+
+    embed_dim: int = 192
+    depth: int = 12
+    num_heads: int = 3
+    mlp_ratio: float = 4.0
+    patch_size: int = 16
+    img_size: int = 224
+    in_chans: int = 3
+    num_classes: int = 1000
+    head: Literal["cls", "gap"] = "cls"
+    ffn: Literal["mlp", "locality"] = "mlp"
+    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, args: ViTArgs, device=None, dtype=None):
+        super().__init__()
+        if args.img_size % args.patch_size:
+            raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
+        factory = {"device": device, "dtype": dtype}
+        self.args = args
+        self.num_prefix_tokens = 1 if args.head == "cls" else 0
+        grid_side = args.img_size // args.patch_size
+        self.grid = (grid_side, grid_side)
+        dim = args.embed_dim
+        self.patch_embed = PatchEmbed(args.patch_size, args.in_chans, dim, **factory)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.head == "cls" else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + grid_side**2, dim, **factory))
+        self.pos_drop = nn.Dropout(args.drop_rate)
+        mlp_type = LocalityMlp if args.ffn == "locality" else Mlp
+        drop_path_rates = torch.linspace(0, args.drop_path_rate, args.depth).tolist()
+        self.blocks = nn.ModuleList(
+            Block(
+                dim,
+                args.num_heads,
+                int(dim * args.mlp_ratio),
+                mlp_type=mlp_type,
+                num_prefix_tokens=self.num_prefix_tokens,
+                drop=args.drop_rate,
+                attn_drop=args.attn_drop_rate,
+                drop_path=rate,
+                attn_impl=args.attn_impl,
+                **factory,
+            )
+            for rate in drop_path_rates
+        )
+        final_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm = final_norm if args.head == "cls" else nn.Identity()
+        self.fc_norm = final_norm if args.head == "gap" else nn.Identity()
+        self.head_drop = nn.Dropout(args.drop_rate)
+        self.head = nn.Linear(dim, args.num_classes, **factory)
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    # --- the model protocol (STYLE.md §4) ---------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Conv2d):
+                module.reset_parameters()
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    def block_modules(self) -> list[nn.Module]:
+        """The repeated blocks: units of FSDP sharding and activation checkpointing."""
+        return list(self.blocks)
+
+    def layer_id(self, param_name: str) -> int:
+        """Depth of a parameter for layer-wise LR decay: 0 embeddings, i+1 block i, depth+1 head."""
+        if param_name.startswith(("patch_embed", "cls_token", "pos_embed")):
+            return 0
+        if param_name.startswith("blocks."):
+            return int(param_name.split(".")[1]) + 1
+        return self.args.depth + 1
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        x, grid = self.patch_embed(images)
+        pos_embed = self.pos_embed
+        if grid != self.grid:
+            pos_embed = resample_pos_embed(pos_embed, grid, self.num_prefix_tokens)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + pos_embed)
+        for block in self.blocks:
+            x = block(x, grid)
+        return self.norm(x)
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
+        pooled = self.head_drop(self.fc_norm(pooled))
+        return pooled if pre_logits else self.head(pooled)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images))

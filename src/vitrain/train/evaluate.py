@@ -1,0 +1,44 @@
+"""Evaluation: top-1 / top-5 accuracy and mean loss over a loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitrain.train.step import autocast_context
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    precision: str,
+    device: str,
+) -> dict[str, float]:
+    """Accuracy in percent; ``prepare`` turns a uint8 batch into the model's input."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # count, top1, top5, loss sum
+    for images, labels in loader:
+        images, labels = prepare(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
+        with autocast_context(precision, device):
+            logits = model(images).float()
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top == labels[:, None]
+        totals += torch.stack(
+            [
+                torch.tensor(len(labels), device=device, dtype=torch.float64),
+                hits[:, 0].sum().double(),
+                hits.any(1).sum().double(),
+                F.cross_entropy(logits, labels, reduction="sum").double(),
+            ]
+        )
+    model.train(was_training)
+    count, top1, top5, loss = totals.tolist()
+    if count == 0:
+        raise ValueError("evaluation loader produced no samples")
+    return {"top1": 100.0 * top1 / count, "top5": 100.0 * top5 / count, "loss": loss / count, "num_samples": int(count)}

@@ -1,0 +1,307 @@
+"""The training run: a row of named phases over a resolved :class:`Plan`.
+
+build (model on meta -> materialize -> init, optimizer, schedule, loaders, checkpoints)
+-> maybe resume -> loop (step, log, eval, checkpoint by cadence) -> finish (summary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
+from vitrain.config import Plan, config_to_yaml
+from vitrain.data import Normalize, build_loaders
+from vitrain.metrics import JsonlWriter, run_environment
+from vitrain.models import build_model, num_parameters
+from vitrain.train.evaluate import evaluate
+from vitrain.train.optim import build_optimizer
+from vitrain.train.schedule import build_scheduler
+from vitrain.train.state import TrainState, capture_rng_state, restore_rng_state
+from vitrain.train.step import TrainStep, build_grad_scaler
+
+log = logging.getLogger("vitrain")
+
+CHECKPOINT_FORMAT = "vitrain-checkpoint-v1"
+
+
+def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
+    """The plan's model: built on the meta device, materialized on ``device``, initialized."""
+    model_config = plan.config.model
+    model = build_model(
+        model_config.name,
+        device="meta",
+        img_size=plan.config.data.image_size,
+        in_chans=plan.in_chans,
+        num_classes=plan.num_classes,
+        patch_size=model_config.patch_size,
+        head=model_config.head,
+        attn_impl=model_config.attn_impl,
+        drop_rate=model_config.drop_rate,
+        attn_drop_rate=model_config.attn_drop_rate,
+        drop_path_rate=model_config.drop_path_rate,
+    )
+    model.to_empty(device=device or plan.device)
+    model.init_weights()
+    return model
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds while it runs."""
+
+    plan: Plan
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    step_fn: TrainStep
+    train_loader: Any
+    eval_loader: Any
+    normalize: Normalize
+    checkpoints: CheckpointManager
+    state: TrainState
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "state": self.state.state_dict(),
+            "rng": capture_rng_state(),
+            "config": self.plan.config.model_dump(mode="json"),
+        }
+
+    def load_payload(self, payload: dict[str, Any]) -> None:
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        self.scaler.load_state_dict(payload["scaler"])
+        self.state = TrainState.from_state_dict(payload["state"])
+        restore_rng_state(payload["rng"])
+
+
+def build_run(plan: Plan) -> Run:
+    torch.manual_seed(plan.config.train.seed)
+    model = build_model_for(plan)
+    optimizer = build_optimizer(model, plan)
+    scheduler = build_scheduler(optimizer, plan)
+    scaler = build_grad_scaler(plan.precision, plan.device)
+    step_fn = TrainStep(
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        plan.precision,
+        plan.device,
+        plan.config.train.label_smoothing,
+        plan.config.optim.grad_clip,
+    )
+    train_loader, eval_loader = build_loaders(plan)
+    return Run(
+        plan=plan,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        step_fn=step_fn,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        normalize=Normalize(plan.mean, plan.std, plan.device),
+        checkpoints=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
+        state=TrainState(),
+    )
+
+
+def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
+    """``auto``: the newest complete checkpoint of this run folder (or, when the folder name
+    holds ``{time}``, of the newest sibling run of the same recipe); otherwise a path."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        return Path(resume)
+    template = plan.config.train.out_dir
+    if "{time}" not in template:
+        return find_latest_checkpoint(plan.out_dir)
+    pattern = Path(template.format(recipe=plan.config.recipe, time="*"))
+    candidates = [find_latest_checkpoint(folder) for folder in pattern.parent.glob(pattern.name)]
+    candidates = [path for path in candidates if path is not None]
+    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
+
+
+def _write_summary(run: Run, wall_s: float, images_this_session: int, session_train_s: float) -> dict[str, Any]:
+    state, plan = run.state, run.plan
+    summary = {
+        "model": plan.config.model.name,
+        "num_params": num_parameters(run.model),
+        "recipe": plan.config.recipe,
+        "device": plan.device,
+        "precision": plan.precision,
+        "epochs": state.step / plan.steps_per_epoch,
+        "steps": state.step,
+        "images_seen": state.images_seen,
+        "best_top1": state.best_top1,
+        "final_top1": state.last_eval["top1"] if state.last_eval else None,
+        "final_top5": state.last_eval["top5"] if state.last_eval else None,
+        "wall_s": wall_s,
+        "train_s": state.train_s,
+        "eval_s": state.eval_s,
+        "checkpoint_s": state.checkpoint_s,
+        "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
+        **run_environment(plan.device),
+    }
+    (plan.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+class Trainer:
+    """Runs a :class:`Run` to the end of its plan."""
+
+    def __init__(self, run: Run, metrics: JsonlWriter):
+        self.run, self.metrics = run, metrics
+        self.plan = run.plan
+        self.last_eval_step = self.last_checkpoint_step = -1
+        self.session_images, self.session_train_s = 0, 0.0
+        self.window_images, self.window_started = 0, 0.0
+
+    def evaluate(self) -> dict[str, float]:
+        run = self.run
+        started = time.perf_counter()
+        result = evaluate(run.model, run.eval_loader, run.normalize, self.plan.precision, self.plan.device)
+        run.state.eval_s += time.perf_counter() - started
+        run.state.last_eval = result
+        if run.state.best_top1 is None or result["top1"] > run.state.best_top1:
+            run.state.best_top1 = result["top1"]
+        self.last_eval_step = run.state.step
+        epoch = run.state.step / self.plan.steps_per_epoch
+        self.metrics.write(
+            {"event": "eval", "step": run.state.step, "epoch": epoch, **result, "train_s": run.state.train_s}
+        )
+        log.info(
+            "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f",
+            run.state.step,
+            epoch,
+            result["top1"],
+            result["top5"],
+            result["loss"],
+        )
+        return result
+
+    def save_checkpoint(self) -> None:
+        started = time.perf_counter()
+        path = self.run.checkpoints.save(self.run.checkpoint_payload(), self.run.state.step)
+        self.run.state.checkpoint_s += time.perf_counter() - started
+        self.last_checkpoint_step = self.run.state.step
+        log.info("saved %s", path)
+
+    def _progress_bar(self) -> tqdm:
+        mode = self.plan.config.train.progress
+        disabled = not sys.stderr.isatty() if mode == "auto" else not mode
+        return tqdm(
+            total=self.plan.total_steps, initial=self.run.state.step, disable=disabled, unit="step", dynamic_ncols=True
+        )
+
+    def _close_window(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: tqdm) -> None:
+        """Synchronize once, charge the window's seconds to training, write a metrics line."""
+        state = self.run.state
+        loss_value = loss.item()  # the host sync of the window
+        elapsed = time.perf_counter() - self.window_started
+        state.train_s += elapsed
+        self.session_train_s += elapsed
+        self.session_images += self.window_images
+        record = {
+            "event": "train",
+            "step": state.step,
+            "epoch": state.step / self.plan.steps_per_epoch,
+            "loss": loss_value,
+            "lr": self.run.optimizer.param_groups[0]["lr"],
+            "grad_norm": None if grad_norm is None else grad_norm.item(),
+            "img_s": self.window_images / elapsed if elapsed > 0 else None,
+            "train_s": state.train_s,
+        }
+        self.metrics.write(record)
+        progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", refresh=False)
+
+    def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: tqdm) -> None:
+        step, plan = self.run.state.step, self.plan
+        due_eval = plan.eval_every_steps > 0 and step % plan.eval_every_steps == 0
+        due_checkpoint = plan.checkpoint_every_steps > 0 and step % plan.checkpoint_every_steps == 0
+        if not (
+            due_eval or due_checkpoint or step % plan.config.train.log_every_steps == 0 or step == plan.total_steps
+        ):
+            return
+        self._close_window(loss, grad_norm, progress)
+        if due_eval:
+            self.evaluate()
+        if due_checkpoint:
+            self.save_checkpoint()
+        self.window_images, self.window_started = 0, time.perf_counter()
+
+    def train(self) -> dict[str, Any]:
+        run, plan, state = self.run, self.plan, self.run.state
+        wall_started = time.perf_counter()
+        run.model.train()
+        with self._progress_bar() as progress:
+            self.window_started = time.perf_counter()
+            while state.step < plan.total_steps:
+                epoch, batch_index = divmod(state.step, plan.steps_per_epoch)
+                run.train_loader.start_epoch(epoch, batch_index)
+                for images, labels in run.train_loader:
+                    images = run.normalize(images.to(plan.device, non_blocking=True))
+                    loss, grad_norm = run.step_fn(images, labels.to(plan.device, non_blocking=True))
+                    state.step += 1
+                    state.images_seen += len(labels)
+                    self.window_images += len(labels)
+                    progress.update(1)
+                    self._after_step(loss, grad_norm, progress)
+                    if state.step >= plan.total_steps:
+                        break
+        if self.last_eval_step != state.step:
+            self.evaluate()
+        if self.last_checkpoint_step != state.step:
+            self.save_checkpoint()
+        return _write_summary(run, time.perf_counter() - wall_started, self.session_images, self.session_train_s)
+
+
+def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
+    """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary."""
+    checkpoint_path = find_resume_checkpoint(resume, plan)
+    if checkpoint_path is not None:
+        plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
+    elif resume == "auto":
+        log.info("--resume auto: no checkpoint found, starting a new run")
+    run = build_run(plan)
+    if checkpoint_path is not None:
+        run.load_payload(load_checkpoint(checkpoint_path))
+        log.info("resumed from %s at step %d", checkpoint_path, run.state.step)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
+    log.info(
+        "%s: %s params, %d steps (%.2f epochs of %d) at batch %d, lr %.3g, %s on %s -> %s",
+        plan.config.model.name,
+        f"{num_parameters(run.model) / 1e6:.2f}M",
+        plan.total_steps,
+        plan.epochs,
+        plan.steps_per_epoch,
+        plan.global_batch,
+        plan.lr,
+        plan.precision,
+        plan.device,
+        plan.out_dir,
+    )
+    metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
+    try:
+        return Trainer(run, metrics).train()
+    finally:
+        metrics.close()

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny datasets written in the real on-disk formats."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitrain.config import Config, build_config
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write a uint8 array as a gzipped IDX file (the Fashion-MNIST format)."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + array.astype(np.uint8).tobytes())
+
+
+def striped_images(labels: np.ndarray, side: int = 28, seed: int = 0) -> np.ndarray:
+    """Learnable images: class c lights up a horizontal band at rows 2c..2c+3, plus noise."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 60, size=(len(labels), side, side))
+    for index, label in enumerate(labels):
+        images[index, 2 * label : 2 * label + 4, :] = 230
+    return images.astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def tiny_fmnist(tmp_path_factory) -> Path:
+    """A Fashion-MNIST root with 512 train / 128 test learnable 28x28 images."""
+    root = tmp_path_factory.mktemp("fmnist")
+    rng = np.random.default_rng(0)
+    for prefix, count in (("train", 512), ("t10k", 128)):
+        labels = rng.integers(0, 10, size=count).astype(np.uint8)
+        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", striped_images(labels, seed=count))
+        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_imagefolder(tmp_path_factory) -> Path:
+    """An ImageNet-layout root: 3 classes, JPEG/PNG files of odd sizes and modes."""
+    root = tmp_path_factory.mktemp("imagefolder")
+    rng = np.random.default_rng(0)
+    classes = ["n02", "n01", "n03"]  # unsorted on purpose: indices come from sorted names
+    for split, per_class in (("train", 6), ("val", 2)):
+        for _class_index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for image_index in range(per_class):
+                height, width = rng.integers(20, 60, size=2)
+                pixels = rng.integers(0, 255, size=(height, width, 3)).astype(np.uint8)
+                image = Image.fromarray(pixels)
+                if image_index % 3 == 1:
+                    image = image.convert("L")  # grayscale must come out RGB
+                suffix = ".png" if image_index % 2 else ".JPEG"
+                image.save(folder / f"{name}_{image_index}{suffix}")
+    (root / "train" / "n01" / "notes.txt").write_text("not an image")
+    return root
+
+
+def make_config(*overrides: str, base: Config | None = None) -> Config:
+    return build_config(base or Config(), [], list(overrides))
+
+
+@pytest.fixture
+def small_synthetic_overrides(tmp_path) -> list[str]:
+    """A tiny, fast, fp32 synthetic run (used by loop and resume tests)."""
+    return [
+        "precision=fp32",
+        "model.name=vit_tiny6_patch7",
+        "data.name=synthetic",
+        "data.image_size=14",
+        "data.synthetic_num_train=96",
+        "data.synthetic_num_eval=32",
+        "train.batch_size=16",
+        "train.epochs=3",
+        "train.progress=off",
+        "train.log_every_steps=2",
+        f"train.out_dir={tmp_path / 'run'}",
+        "optim.lr=0.2",  # 3.2e-3 after scaling to batch 16
+        "data.scale=[0.5, 1.0]",
+        "schedule.warmup_epochs=1",
+    ]

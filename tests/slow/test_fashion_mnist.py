@@ -1,0 +1,25 @@
+"""End-to-end on the real Fashion-MNIST (Debian package dataset-fashion-mnist)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_config
+from vitrain.cli import make_plan
+from vitrain.data.sources import FASHION_MNIST_FILES, FASHION_MNIST_ROOT
+from vitrain.recipes import get_recipe
+from vitrain.train import train
+
+HAVE_DATA = all((FASHION_MNIST_ROOT / name).is_file() for names in FASHION_MNIST_FILES.values() for name in names)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not HAVE_DATA, reason=f"Fashion-MNIST not installed at {FASHION_MNIST_ROOT} (apt-get install dataset-fashion-mnist)"
+)
+def test_default_recipe_two_epochs_reaches_stated_accuracy(tmp_path):
+    """The default recipe shortened to 2 epochs (about 3 minutes on 2 CPU cores) reaches 85 %
+    test top-1; the full recipe's >= 90 % is recorded in docs/benchmarks.md."""
+    config = make_config("train.epochs=2", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
+    summary = train(make_plan(config))
+    assert summary["final_top1"] >= 85.0

@@ -1,0 +1,159 @@
+"""Config loading, resolve() arithmetic, and every user mistake named with its key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import make_config
+from vitrain.cli import main
+from vitrain.config import (
+    Config,
+    ConfigError,
+    DatasetInfo,
+    Hardware,
+    build_config,
+    config_to_yaml,
+    parse_override,
+    resolve,
+)
+from vitrain.recipes import get_recipe, list_recipes
+
+DATA = DatasetInfo(num_train=60000, num_eval=10000, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
+CPU_BF16 = Hardware(cuda_available=False, bf16_supported=True)
+CPU_ONLY = Hardware(cuda_available=False, bf16_supported=False)
+
+
+def test_resolve_scales_lr_and_derives_steps():
+    config = make_config("train.batch_size=256", "optim.lr=0.008", "train.epochs=3", "schedule.warmup_epochs=0.5")
+    plan = resolve(config, DATA, CPU_BF16)
+    assert plan.lr == pytest.approx(0.008 * 256 / 1024)
+    assert plan.steps_per_epoch == 60000 // 256
+    assert plan.total_steps == 3 * 234
+    assert plan.warmup_steps == 117
+    assert plan.eval_every_steps == plan.checkpoint_every_steps == 234
+    assert plan.eval_batch == 512
+
+
+def test_reference_batch_and_steps_override():
+    config = make_config(
+        "train.batch_size=64",
+        "optim.lr=0.001",
+        "optim.reference_batch=64",
+        "train.steps=10",
+        "checkpoint.every_epochs=0",
+    )
+    plan = resolve(config, DATA, CPU_BF16)
+    assert plan.lr == pytest.approx(0.001)
+    assert plan.total_steps == 10
+    assert plan.checkpoint_every_steps == 0
+
+
+def test_precision_auto_follows_hardware():
+    assert resolve(make_config("precision=auto"), DATA, CPU_BF16).precision == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, CPU_ONLY).precision == "fp32"
+    with pytest.raises(ConfigError, match="precision=bf16"):
+        resolve(make_config("precision=bf16"), DATA, CPU_ONLY)
+
+
+def test_device_cuda_without_cuda_is_rejected():
+    with pytest.raises(ConfigError, match="train.device"):
+        resolve(make_config("train.device=cuda"), DATA, CPU_ONLY)
+    assert resolve(make_config("train.device=auto"), DATA, CPU_ONLY).device == "cpu"
+
+
+def test_out_dir_template_is_filled():
+    plan = resolve(make_config("recipe=abc", "train.out_dir=runs/{recipe}-{time}"), DATA, CPU_ONLY, now="T1")
+    assert str(plan.out_dir) == "runs/abc-T1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (["train.bach_size=3"], "train.bach_size", "did you mean 'train.batch_size'"),
+        (["modle.name=x"], "modle", "did you mean 'model'"),
+        (["train.batch_size=lots"], "train.batch_size", "integer"),
+        (["data.scale=[0.9, 0.1]"], "data.scale", "low <= high"),
+        (["precision=fp8"], "precision", "fp32"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, key, fix):
+    with pytest.raises(ConfigError) as error:
+        make_config(*overrides)
+    message = str(error.value)
+    assert key in message and fix in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["data.image_size=30"], "data.image_size"),  # 30 % 7 != 0
+        (["train.batch_size=0"], "train.batch_size"),
+        (["train.batch_size=100000"], "train.batch_size"),
+        (["model.name=vit_enormous"], "model.name"),
+        (["data.mean=[0.1, 0.2]"], "data.mean"),
+    ],
+)
+def test_resolve_rejects_with_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve(make_config(*overrides), DATA, CPU_ONLY)
+
+
+def test_yaml_file_then_set_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  batch_size: 32\n  epochs: 2\noptim:\n  lr: 0.5\n")
+    config = build_config(Config(), [path], ["train.epochs=5"])
+    assert (config.train.batch_size, config.train.epochs, config.optim.lr) == (32, 5, 0.5)
+
+
+def test_bad_yaml_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        build_config(Config(), [tmp_path / "missing.yaml"], [])
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        build_config(Config(), [path], [])
+
+
+def test_parse_override_types():
+    assert parse_override("a.b=3") == {"a": {"b": 3}}
+    assert parse_override("a=[1, 2]") == {"a": [1, 2]}
+    assert parse_override("a.b=null") == {"a": {"b": None}}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("novalue")
+
+
+def test_show_config_round_trips(capsys):
+    assert main(["show-config", "--set", "train.batch_size=77"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["batch_size"] == 77
+    assert Config.model_validate(printed) == build_config(get_recipe("fmnist"), [], ["train.batch_size=77"])
+    assert config_to_yaml(Config.model_validate(printed)) == config_to_yaml(Config.model_validate(printed))
+
+
+def test_every_recipe_validates_and_is_documented():
+    recipes = list_recipes()
+    assert "fmnist" in recipes
+    for name, doc in recipes.items():
+        assert get_recipe(name).recipe == name
+        assert doc, f"recipe {name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--set", "train.bach_size=3"], "train.bach_size"),
+        (["train", "--set", "data.image_size=30", "--set", "data.name=synthetic"], "data.image_size"),
+        (["train", "--set", "train.batch_size=0", "--set", "data.name=synthetic"], "train.batch_size"),
+        (["train", "--set", "data.root=/nonexistent/fmnist"], "data.root"),
+        (["train", "--set", "data.name=imagefolder"], "data.root"),
+        (["train", "--recipe", "nope"], "--recipe"),
+        (["eval", "--checkpoint", "/nonexistent.pt"], "/nonexistent.pt"),
+    ],
+)
+def test_cli_exits_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1

@@ -1,0 +1,161 @@
+"""Data sources, transforms and resumable loaders."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from tests.conftest import make_config, write_idx
+from vitrain.cli import make_plan
+from vitrain.config import ConfigError
+from vitrain.data import Normalize, build_loaders, describe_source
+from vitrain.data.loader import FileLoader, InMemoryLoader
+from vitrain.data.sources import build_synthetic, image_folder_samples, load_fashion_mnist, read_idx
+from vitrain.data.transforms import batch_eval_resize, batch_random_resized_crop
+
+
+def _collect(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(images.clone(), labels.clone()) for images, labels in loader]
+
+
+def test_read_idx_round_trip_and_truncation(tmp_path):
+    array = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / "a.gz", array)
+    assert torch.equal(read_idx(tmp_path / "a.gz"), torch.from_numpy(array))
+    with gzip.open(tmp_path / "a.gz", "rb") as handle:
+        data = handle.read()
+    with gzip.open(tmp_path / "cut.gz", "wb") as handle:
+        handle.write(data[:-5])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(tmp_path / "cut.gz")
+
+
+def test_fashion_mnist_source(tiny_fmnist):
+    info = describe_source(make_config(f"data.root={tiny_fmnist}").data)
+    assert (info.num_train, info.num_eval, info.num_classes, info.channels) == (512, 128, 10, 1)
+    train = load_fashion_mnist(tiny_fmnist, "train")
+    assert train.images.shape == (512, 1, 28, 28) and train.images.dtype == torch.uint8
+    # the fixture's class c lights rows 2c..2c+3: labels must line up with images
+    rows = train.images[:, 0].float().mean(dim=2)
+    assert torch.all(rows[torch.arange(512), 2 * train.labels] > 200)
+    limited = describe_source(make_config(f"data.root={tiny_fmnist}", "data.limit_train=100").data)
+    assert limited.num_train == 100
+
+
+def test_fashion_mnist_missing_says_how_to_install(tmp_path):
+    with pytest.raises(ConfigError, match="apt-get install dataset-fashion-mnist"):
+        describe_source(make_config(f"data.root={tmp_path}").data)
+
+
+def test_imagefolder_classes_sorted_and_non_images_skipped(tiny_imagefolder):
+    samples, classes = image_folder_samples(tiny_imagefolder, "train")
+    assert classes == ["n01", "n02", "n03"]
+    assert len(samples) == 18
+    assert all(path.split("/")[-2] == classes[label] for path, label in samples)
+    info = describe_source(make_config("data.name=imagefolder", f"data.root={tiny_imagefolder}").data)
+    assert (info.num_train, info.num_eval, info.num_classes, info.channels) == (18, 6, 3, 3)
+
+
+def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder):
+    overrides = [
+        "data.name=imagefolder",
+        f"data.root={tiny_imagefolder}",
+        "data.image_size=16",
+        "train.batch_size=4",
+        "model.patch_size=4",
+    ]
+    plans = [make_plan(make_config(*overrides, f"data.num_workers={workers}")) for workers in (0, 2)]
+    batches = []
+    for plan in plans:
+        train_loader, eval_loader = build_loaders(plan)
+        assert isinstance(train_loader, FileLoader)
+        train_loader.start_epoch(1)
+        batches.append(_collect(train_loader))
+        images, labels = next(iter(eval_loader))
+        assert images.shape == (6, 3, 16, 16) and images.dtype == torch.uint8  # all 6 val images, one batch
+    assert len(batches[0]) == 18 // 4
+    for (images_a, labels_a), (images_b, labels_b) in zip(*batches, strict=True):
+        assert images_a.shape == (4, 3, 16, 16)
+        assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+
+
+def test_file_loader_resumes_mid_epoch(tiny_imagefolder):
+    plan = make_plan(
+        make_config(
+            "data.name=imagefolder",
+            f"data.root={tiny_imagefolder}",
+            "data.image_size=16",
+            "train.batch_size=4",
+            "model.patch_size=4",
+            "data.num_workers=0",
+        )
+    )
+    loader, _ = build_loaders(plan)
+    loader.start_epoch(2)
+    full = _collect(loader)
+    loader.start_epoch(2, start_batch=2)
+    tail = _collect(loader)
+    assert len(tail) == len(full) - 2
+    for (a, la), (b, lb) in zip(full[2:], tail, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    loader.start_epoch(3)
+    assert not torch.equal(_collect(loader)[0][0], full[0][0]), "epochs must differ in order/augmentation"
+
+
+def test_in_memory_loader_resumes_mid_epoch(tiny_fmnist):
+    plan = make_plan(make_config(f"data.root={tiny_fmnist}", "train.batch_size=64"))
+    loader, eval_loader = build_loaders(plan)
+    assert isinstance(loader, InMemoryLoader)
+    loader.start_epoch(1)
+    full = _collect(loader)
+    loader.start_epoch(1, start_batch=3)
+    tail = _collect(loader)
+    for (a, la), (b, lb) in zip(full[3:], tail, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    evaluated = torch.cat([labels for _, labels in eval_loader])
+    assert len(evaluated) == 128  # eval keeps the last partial batch
+
+
+def test_synthetic_is_seeded_and_learnable_shaped():
+    config = make_config("data.name=synthetic", "data.image_size=8", "data.synthetic_num_train=50").data
+    first, second = build_synthetic(config, 3, "train"), build_synthetic(config, 3, "train")
+    assert torch.equal(first.images, second.images) and torch.equal(first.labels, second.labels)
+    assert first.images.shape == (50, 3, 8, 8)
+    assert not torch.equal(build_synthetic(config, 3, "eval").images[:10], first.images[:10])
+
+
+def test_batch_crop_identity_and_flip():
+    images = torch.randint(0, 256, (5, 1, 12, 12), dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(0)
+    same = batch_random_resized_crop(images, 12, (1.0, 1.0), (1.0, 1.0), 0.0, generator)
+    assert torch.equal(same, images)
+    flipped = batch_random_resized_crop(images, 12, (1.0, 1.0), (1.0, 1.0), 1.0, generator)
+    assert torch.equal(flipped, images.flip(-1))
+
+
+def test_batch_crop_boxes_vary_per_image():
+    images = torch.arange(16 * 16, dtype=torch.float32).reshape(1, 1, 16, 16).expand(64, 1, 16, 16)
+    images = (images / images.max() * 255).to(torch.uint8)
+    out = batch_random_resized_crop(images, 8, (0.1, 0.5), (3 / 4, 4 / 3), 0.0, torch.Generator().manual_seed(1))
+    assert out.shape == (64, 1, 8, 8)
+    assert len({tuple(image.flatten().tolist()) for image in out}) > 50
+    # a crop of at most half the area spans fewer intensity levels than the full ramp
+    assert (out.float().amax((1, 2, 3)) - out.float().amin((1, 2, 3))).max() < 255
+
+
+def test_batch_eval_resize_matches_torchvision():
+    images = torch.randint(0, 256, (3, 3, 40, 30), dtype=torch.uint8)
+    ours = batch_eval_resize(images, 24, 0.875)
+    reference = v2.Compose([v2.Resize(27, antialias=True), v2.CenterCrop(24)])(images)
+    assert ours.shape == reference.shape == (3, 3, 24, 24)
+    assert (ours.int() - reference.int()).abs().max() <= 2
+
+
+def test_normalize():
+    normalize = Normalize((0.5,), (0.25,), "cpu")
+    images = torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1)
+    assert torch.allclose(normalize(images).flatten(), torch.tensor([-2.0, 2.0]))

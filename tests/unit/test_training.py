@@ -1,0 +1,62 @@
+"""The training loop: learning, metrics, and exact (bitwise) resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from tests.conftest import make_config
+from vitrain.checkpoint import load_checkpoint
+from vitrain.cli import make_plan
+from vitrain.metrics import read_jsonl
+from vitrain.train import train
+
+
+def test_loss_decreases_and_records_are_written(small_synthetic_overrides, tmp_path):
+    plan = make_plan(make_config(*small_synthetic_overrides, "train.epochs=5"))
+    summary = train(plan)
+    records = read_jsonl(plan.out_dir / "metrics.jsonl")
+    losses = [record["loss"] for record in records if record["event"] == "train"]
+    assert losses[-1] < 0.6 * losses[0]
+    evals = [record for record in records if record["event"] == "eval"]
+    assert [record["step"] for record in evals] == [6, 12, 18, 24, 30]
+    assert summary["final_top1"] == evals[-1]["top1"] > 50.0  # 10 classes: chance is 10 %
+    assert json.loads((plan.out_dir / "summary.json").read_text())["steps"] == 30
+    assert summary["images_seen"] == 30 * 16
+
+
+def _weights(path):
+    return load_checkpoint(path)["model"]
+
+
+def test_resume_after_epoch_is_bitwise_identical(small_synthetic_overrides, tmp_path):
+    overrides = [
+        *small_synthetic_overrides,
+        "model.drop_rate=0.1",
+        "model.drop_path_rate=0.1",
+        "checkpoint.keep_last=5",
+    ]
+    straight = make_plan(make_config(*overrides))
+    train(straight)
+    checkpoints = straight.out_dir / "checkpoints"
+    final = _weights(checkpoints / "step-000000018.pt")
+
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(checkpoints / "step-000000006.pt", resumed_dir / "checkpoints")
+    resumed = make_plan(make_config(*overrides, f"train.out_dir={resumed_dir}"))
+    summary = train(resumed, resume="auto")
+    assert summary["steps"] == 18
+    resumed_final = _weights(resumed_dir / "checkpoints" / "step-000000018.pt")
+    assert final.keys() == resumed_final.keys()
+    for key in final:
+        assert torch.equal(final[key], resumed_final[key]), key
+    steps = [record["step"] for record in read_jsonl(resumed_dir / "metrics.jsonl")]
+    assert steps == sorted(steps) and min(steps) > 6
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(small_synthetic_overrides):
+    plan = make_plan(make_config(*small_synthetic_overrides, "train.steps=2"))
+    assert train(plan, resume="auto")["steps"] == 2
