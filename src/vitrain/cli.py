@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_arguments(show)
 
+    download = commands.add_parser("download-fashion-mnist", help="fetch the Fashion-MNIST IDX files (needs internet)")
+    download.add_argument("--root", type=Path, required=True, help="folder to write the four *-ubyte.gz files to")
+    download.add_argument("--url", default=None, help="base URL of the files (default: the dataset's public mirror)")
+
     commands.add_parser("list-recipes", help="named recipes and what they do")
     commands.add_parser("list-models", help="registered models with their parameter counts")
     return parser
@@ -107,6 +111,18 @@ def command_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_download_fashion_mnist(args: argparse.Namespace) -> int:
+    from vitrain.data.sources import FASHION_MNIST_URL, download_fashion_mnist
+
+    try:
+        written = download_fashion_mnist(args.root, args.url or FASHION_MNIST_URL)
+    except (OSError, ValueError) as error:
+        print(f"vitrain: error: download failed ({error}); check the network or --url", file=sys.stderr)
+        return 1
+    print(f"{len(written)} file(s) written to {args.root}; train with --set data.root={args.root}")
+    return 0
+
+
 def command_list_recipes(args: argparse.Namespace) -> int:
     for name, doc in list_recipes().items():
         print(f"{name}{' (default)' if name == DEFAULT_RECIPE else ''}\n    {' '.join(doc.split())}")
@@ -127,6 +143,7 @@ COMMANDS = {
     "train": command_train,
     "eval": command_eval,
     "show-config": command_show_config,
+    "download-fashion-mnist": command_download_fashion_mnist,
     "list-recipes": command_list_recipes,
     "list-models": command_list_models,
 }

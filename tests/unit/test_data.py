@@ -10,7 +10,7 @@ import torch
 from torchvision.transforms import v2
 
 from tests.conftest import make_config, write_idx
-from vitrain.cli import make_plan
+from vitrain.cli import main, make_plan
 from vitrain.config import ConfigError
 from vitrain.data import Normalize, build_loaders, describe_source
 from vitrain.data.loader import FileLoader, InMemoryLoader
@@ -159,3 +159,21 @@ def test_normalize():
     normalize = Normalize((0.5,), (0.25,), "cpu")
     images = torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1)
     assert torch.allclose(normalize(images).flatten(), torch.tensor([-2.0, 2.0]))
+
+
+def test_download_fashion_mnist_from_a_mirror(tiny_fmnist, tmp_path, capsys):
+    target = tmp_path / "downloaded"
+    assert main(["download-fashion-mnist", "--root", str(target), "--url", tiny_fmnist.as_uri() + "/"]) == 0
+    assert "4 file(s)" in capsys.readouterr().out
+    assert torch.equal(load_fashion_mnist(target, "train").labels, load_fashion_mnist(tiny_fmnist, "train").labels)
+    assert not list(target.glob("*.part"))
+
+
+def test_download_refuses_a_truncated_file(tiny_fmnist, tmp_path, capsys):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for path in tiny_fmnist.iterdir():
+        (mirror / path.name).write_bytes(path.read_bytes()[:-10] if "train-images" in path.name else path.read_bytes())
+    assert main(["download-fashion-mnist", "--root", str(tmp_path / "out"), "--url", mirror.as_uri() + "/"]) == 1
+    assert "download failed" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "train-images-idx3-ubyte.gz").exists()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
+import pytest
 import torch
 
 from tests.conftest import make_config
@@ -60,3 +62,16 @@ def test_resume_after_epoch_is_bitwise_identical(small_synthetic_overrides, tmp_
 def test_resume_auto_without_checkpoint_starts_fresh(small_synthetic_overrides):
     plan = make_plan(make_config(*small_synthetic_overrides, "train.steps=2"))
     assert train(plan, resume="auto")["steps"] == 2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_are_finite_and_keep_fp32_master_weights(small_synthetic_overrides, precision):
+    plan = make_plan(make_config(*small_synthetic_overrides, f"precision={precision}", "train.steps=4"))
+    summary = train(plan)
+    assert summary["precision"] == precision
+    losses = [record["loss"] for record in read_jsonl(plan.out_dir / "metrics.jsonl") if record["event"] == "train"]
+    assert all(math.isfinite(loss) for loss in losses)
+    weights = _weights(plan.out_dir / "checkpoints" / "step-000000004.pt")
+    assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+    scaler_state = load_checkpoint(plan.out_dir / "checkpoints" / "step-000000004.pt")["scaler"]
+    assert bool(scaler_state) == (precision == "fp16")  # loss scaling only for fp16

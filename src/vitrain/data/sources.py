@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import gzip
+import os
 import struct
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "eval": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
+FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 # Channel statistics of the Fashion-MNIST training set (computed from the 60k images).
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -58,9 +61,13 @@ def _missing_fashion_mnist(root: Path, name: str) -> ConfigError:
 
 def read_idx(path: Path) -> torch.Tensor:
     """Read an IDX file (gzip or raw) of unsigned bytes into a uint8 tensor."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:
+    with open(path, "rb") as handle:
         data = handle.read()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, gzip.BadGzipFile) as error:
+            raise ValueError(f"{path}: corrupt or truncated gzip ({error})") from None
     if len(data) < 4:
         raise ValueError(f"{path}: too short to be an IDX file")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
@@ -89,6 +96,27 @@ def fashion_mnist_root(config: DataConfig) -> Path:
             if not (root / name).is_file():
                 raise _missing_fashion_mnist(root, name)
     return root
+
+
+def download_fashion_mnist(root: Path, base_url: str = FASHION_MNIST_URL) -> list[Path]:
+    """Fetch the four IDX files into ``root`` (each checked, then renamed into place)."""
+    root.mkdir(parents=True, exist_ok=True)
+    written = []
+    for names in FASHION_MNIST_FILES.values():
+        for name in names:
+            target = root / name
+            if target.is_file():
+                continue
+            partial = target.with_name(name + ".part")
+            try:
+                urllib.request.urlretrieve(base_url + name, partial)
+                read_idx(partial)  # refuse to install a truncated or foreign file
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+            os.replace(partial, target)
+            written.append(target)
+    return written
 
 
 def load_fashion_mnist(root: Path, split: str) -> InMemoryDataset:
