@@ -17,6 +17,7 @@ from pathlib import Path
 from vitrain.checkpoint import CheckpointError
 from vitrain.config import Config, ConfigError, Hardware, Plan, build_config, config_to_yaml, resolve
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
+from vitrain.train.loop import TrainingDiverged
 
 log = logging.getLogger("vitrain")
 EXIT_BAD_INPUT = 2
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except TrainingDiverged as error:
+        print(f"vitrain: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vitrain: interrupted", file=sys.stderr)
         return 130

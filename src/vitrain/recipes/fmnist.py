@@ -9,20 +9,21 @@ from vitrain.recipes import register_recipe
 @register_recipe
 def fmnist() -> Config:
     """Default run: 6-block locality ViT (width 192, patch 7) on Fashion-MNIST, bf16 where
-    supported. `vitrain train`; reaches >= 90 % test top-1 in under 10 minutes on 2 CPU cores
-    (docs/benchmarks.md)."""
+    supported. `vitrain train`; measured 88.3 % test top-1 in 8.5 minutes on 2 CPU cores
+    (docs/benchmarks.md; the 90 % target is not reached yet)."""
     config = Config(precision="auto")
     config.model.name = "locality_vit_tiny6_patch7"
+    config.model.head = "gap"  # +1.9 pt over CLS after 1 epoch (docs/benchmarks.md)
     config.model.attn_impl = "matmul"  # faster than SDPA's CPU kernels here (docs/benchmarks.md)
     config.data.name = "fashion-mnist"
     config.data.image_size = 28
-    config.data.scale = (0.35, 1.0)
+    config.data.scale = (1.0, 1.0)  # crops of scale 0.35-1 cost ~15 pt at equal epochs (docs/benchmarks.md)
     config.data.crop_pct = 1.0
     config.train.batch_size = 256
-    config.train.epochs = 12
-    config.optim.lr = 8e-3
+    config.train.epochs = 5
+    config.optim.lr = 6e-3  # 1.5e-3 at batch 256
     config.optim.weight_decay = 0.05
-    config.schedule.warmup_epochs = 1
+    config.schedule.warmup_epochs = 0.5
     return config
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,10 @@ from vitrain.train.step import TrainStep, build_grad_scaler
 log = logging.getLogger("vitrain")
 
 CHECKPOINT_FORMAT = "vitrain-checkpoint-v1"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and what to try."""
 
 
 def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
@@ -81,6 +86,13 @@ class Run:
             "state": self.state.state_dict(),
             "rng": capture_rng_state(),
             "config": self.plan.config.model_dump(mode="json"),
+            "plan": {
+                "lr": self.plan.lr,
+                "global_batch": self.plan.global_batch,
+                "steps_per_epoch": self.plan.steps_per_epoch,
+                "total_steps": self.plan.total_steps,
+                "precision": self.plan.precision,
+            },
         }
 
     def load_payload(self, payload: dict[str, Any]) -> None:
@@ -174,6 +186,7 @@ class Trainer:
         self.last_eval_step = self.last_checkpoint_step = -1
         self.session_images, self.session_train_s = 0, 0.0
         self.window_images, self.window_started = 0, 0.0
+        self.wall_started = time.perf_counter()
 
     def evaluate(self) -> dict[str, float]:
         run = self.run
@@ -185,9 +198,7 @@ class Trainer:
             run.state.best_top1 = result["top1"]
         self.last_eval_step = run.state.step
         epoch = run.state.step / self.plan.steps_per_epoch
-        self.metrics.write(
-            {"event": "eval", "step": run.state.step, "epoch": epoch, **result, "train_s": run.state.train_s}
-        )
+        self.metrics.write({"event": "eval", "step": run.state.step, "epoch": epoch, **result, **self._clocks()})
         log.info(
             "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f",
             run.state.step,
@@ -205,6 +216,10 @@ class Trainer:
         self.last_checkpoint_step = self.run.state.step
         log.info("saved %s", path)
 
+    def _clocks(self) -> dict[str, float]:
+        """Training seconds (the run's total, eval/checkpoint excluded) and wall seconds of this session."""
+        return {"train_s": self.run.state.train_s, "elapsed_s": time.perf_counter() - self.wall_started}
+
     def _progress_bar(self) -> tqdm:
         mode = self.plan.config.train.progress
         disabled = not sys.stderr.isatty() if mode == "auto" else not mode
@@ -216,6 +231,12 @@ class Trainer:
         """Synchronize once, charge the window's seconds to training, write a metrics line."""
         state = self.run.state
         loss_value = loss.item()  # the host sync of the window
+        if not math.isfinite(loss_value):
+            raise TrainingDiverged(
+                f"loss is {loss_value} at step {state.step} (lr {self.run.optimizer.param_groups[0]['lr']:.3g}); "
+                f"lower optim.lr, keep optim.grad_clip set, or use precision=bf16/fp32; last checkpoint: "
+                f"{find_latest_checkpoint(self.plan.out_dir) or 'none'}"
+            )
         elapsed = time.perf_counter() - self.window_started
         state.train_s += elapsed
         self.session_train_s += elapsed
@@ -228,7 +249,7 @@ class Trainer:
             "lr": self.run.optimizer.param_groups[0]["lr"],
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
-            "train_s": state.train_s,
+            **self._clocks(),
         }
         self.metrics.write(record)
         progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", refresh=False)
@@ -250,7 +271,7 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         run, plan, state = self.run, self.plan, self.run.state
-        wall_started = time.perf_counter()
+        self.wall_started = time.perf_counter()
         run.model.train()
         with self._progress_bar() as progress:
             self.window_started = time.perf_counter()
@@ -271,7 +292,7 @@ class Trainer:
             self.evaluate()
         if self.last_checkpoint_step != state.step:
             self.save_checkpoint()
-        return _write_summary(run, time.perf_counter() - wall_started, self.session_images, self.session_train_s)
+        return _write_summary(run, time.perf_counter() - self.wall_started, self.session_images, self.session_train_s)
 
 
 def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
