@@ -5,11 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vitrain.models import build_model, list_models, model_spec, num_parameters, resample_pos_embed
+from vitrain.models import ViTArgs, build_model, list_models, model_spec, num_parameters, resample_pos_embed
+from vitrain.models.convert import TIMM_NAMES, from_timm, timm_name, to_timm
 from vitrain.models.layers import LocalityMlp
 from vitrain.train.optim import build_param_groups
 
-MODEL_NAMES = [spec.name for spec in list_models()]
+MODEL_NAMES = [spec.name for spec in list_models() if isinstance(spec.args, ViTArgs)]
+# Shrinks every ViT-family variant to a few blocks of width 4 per head: the structure under test
+# (embedding, blocks, FFN type, head) is unchanged, and g/14 or G/14 build in milliseconds.
+TINY = {"depth": 2, "mlp_dim": None}
+
+
+def _tiny(name: str, **overrides) -> dict:
+    return {**TINY, "embed_dim": 4 * model_spec(name).args.num_heads, **overrides}
 
 
 def _small_input(name: str, batch: int = 2) -> tuple[torch.Tensor, int]:
@@ -19,9 +27,9 @@ def _small_input(name: str, batch: int = 2) -> tuple[torch.Tensor, int]:
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_builds_on_meta_with_same_parameters(name):
-    meta = build_model(name, device="meta")
+    meta = build_model(name, device="meta", **_tiny(name))
     assert all(parameter.is_meta for parameter in meta.parameters())
-    real = build_model(name, img_size=2 * model_spec(name).args.patch_size)
+    real = build_model(name, img_size=2 * model_spec(name).args.patch_size, **_tiny(name))
     grid_tokens = 4 + (1 if real.cls_token is not None else 0)
     assert real.pos_embed.shape[1] == grid_tokens
     assert num_parameters(meta) - meta.pos_embed.numel() == num_parameters(real) - real.pos_embed.numel()
@@ -32,7 +40,7 @@ def test_builds_on_meta_with_same_parameters(name):
 def test_forward_backward_shapes(name, head):
     images, size = _small_input(name)
     torch.manual_seed(0)
-    model = build_model(name, img_size=size, num_classes=7, head=head, drop_path_rate=0.1)
+    model = build_model(name, img_size=size, num_classes=7, head=head, drop_path_rate=0.1, **_tiny(name))
     logits = model(images)
     assert logits.shape == (2, 7)
     tokens = model.forward_features(images)
@@ -43,11 +51,42 @@ def test_forward_backward_shapes(name, head):
         assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), parameter_name
 
 
-def test_known_parameter_counts():
-    # timm's vit_*_patch16_224 counts (and seed 001: B/16 86M).
-    expected = {"vit_tiny_patch16": 5_717_416, "vit_small_patch16": 22_050_664, "vit_base_patch16": 86_567_656}
-    for name, count in expected.items():
-        assert num_parameters(build_model(name, device="meta")) == count
+# Seed 001's table, "Model size (M)" column (NeMo's ViT sizes).
+SEED_001_MILLIONS = {
+    "vit_base_patch16": 86,
+    "vit_large_patch16": 303,
+    "vit_huge_patch16": 632,
+    "vit_huge_patch14": 632,
+    "vit_giant_patch14": 1011,
+    "vit_gigantic_patch14": 1843,
+}
+
+
+@pytest.mark.parametrize(("name", "millions"), SEED_001_MILLIONS.items())
+def test_parameter_counts_match_seed_table(name, millions):
+    count = num_parameters(build_model(name, device="meta"))
+    assert abs(count / 1e6 - millions) / millions < 0.01, f"{name}: {count / 1e6:.1f}M vs {millions}M"
+
+
+def test_seed_table_dimensions():
+    # hidden, FFN, heads, layers, patch: seed 001's table row by row.
+    rows = {
+        "vit_base_patch16": (768, 3072, 12, 12, 16),
+        "vit_large_patch16": (1024, 4096, 16, 24, 16),
+        "vit_huge_patch16": (1280, 5120, 16, 32, 16),
+        "vit_huge_patch14": (1280, 5120, 16, 32, 14),
+        "vit_giant_patch14": (1408, 6144, 16, 40, 14),
+        "vit_gigantic_patch14": (1664, 8192, 16, 48, 14),
+    }
+    for name, (hidden, ffn, heads, layers, patch) in rows.items():
+        model = build_model(name, device="meta")
+        assert model.blocks[0].mlp.fc1.out_features == ffn, name
+        assert (model.args.embed_dim, model.args.num_heads, len(model.blocks), model.args.patch_size) == (
+            hidden,
+            heads,
+            layers,
+            patch,
+        ), name
 
 
 def test_protocol_weight_decay_and_layer_ids():
@@ -103,16 +142,77 @@ def test_other_resolution_resamples_position_embeddings():
 timm = pytest.importorskip("timm", reason="timm is a test dependency for parity checks ([dev] extra)")
 
 
-@pytest.mark.parametrize(
-    ("ours", "theirs", "head"),
-    [("vit_tiny_patch16", "vit_tiny_patch16_224", "cls"), ("vit_small_patch16", "vit_small_patch16_224", "gap")],
-)
-def test_logits_equal_timm_with_copied_weights(ours, theirs, head):
+def _timm_pair(ours: str, head: str, img_size: int, **timm_kwargs):
+    """A timm model with random weights and ours holding them (through from_timm), both in eval."""
     torch.manual_seed(0)
     extra = {"global_pool": "avg", "class_token": False} if head == "gap" else {}
-    reference = timm.create_model(theirs, pretrained=False, num_classes=5, img_size=64, **extra).eval()
-    model = build_model(ours, img_size=64, num_classes=5, head=head).eval()
-    model.load_state_dict(reference.state_dict(), strict=True)
-    images = torch.randn(2, 3, 64, 64)
+    reference = timm.create_model(timm_name(ours), pretrained=False, img_size=img_size, **extra, **timm_kwargs)
+    return reference.eval(), from_timm(reference).eval()
+
+
+def _assert_same_logits(reference, model, img_size: int) -> None:
+    images = torch.randn(2, 3, img_size, img_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.allclose(model(images), reference(images), atol=1e-5)
+        difference = (model(images) - reference(images)).abs().max().item()
+    assert difference <= 1e-4, difference
+
+
+SMALL_TIMM_VARIANTS = [name for name in TIMM_NAMES if name.split("_")[1] in ("tiny", "small", "base")]
+LARGE_TIMM_VARIANTS = ["vit_large_patch16", "vit_huge_patch14"]
+
+
+@pytest.mark.parametrize("head", ["cls", "gap"])
+@pytest.mark.parametrize("ours", SMALL_TIMM_VARIANTS)
+def test_logits_equal_timm_with_copied_weights(ours, head):
+    reference, model = _timm_pair(ours, head, 64, num_classes=5)
+    assert model.args.head == head and model.args.num_classes == 5 and model.args.img_size == 64
+    _assert_same_logits(reference, model, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ours", LARGE_TIMM_VARIANTS)
+def test_large_variants_equal_timm(ours):
+    reference, model = _timm_pair(ours, "cls", 2 * model_spec(ours).args.patch_size)
+    _assert_same_logits(reference, model, 2 * model_spec(ours).args.patch_size)
+
+
+@pytest.mark.parametrize("ours", ["vit_giant_patch14", "vit_gigantic_patch14"])
+def test_largest_variants_have_timm_parameter_names_and_shapes(ours):
+    with torch.device("meta"):
+        reference = timm.create_model(timm_name(ours), pretrained=False)
+    theirs = {name: tuple(tensor.shape) for name, tensor in reference.state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in build_model(ours, device="meta").state_dict().items()} == theirs
+
+
+def test_trained_model_loads_into_timm_strictly_and_back():
+    torch.manual_seed(0)
+    model = build_model("deit_tiny_patch16", img_size=32, num_classes=3, head="gap", in_chans=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 1, 32, 32)).logsumexp(dim=1).mean().backward()
+        optimizer.step()
+    model.eval()
+    reference = timm.create_model(
+        timm_name("deit_tiny_patch16"),
+        pretrained=False,
+        img_size=32,
+        num_classes=3,
+        in_chans=1,
+        global_pool="avg",
+        class_token=False,
+    ).eval()
+    reference.load_state_dict(to_timm(model), strict=True)
+    images = torch.randn(2, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(images), reference(images))
+    back = from_timm(reference.state_dict(), name="deit_tiny_patch16")
+    assert (back.args.img_size, back.args.num_classes, back.args.in_chans, back.args.head) == (32, 3, 1, "gap")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def test_conversion_refuses_families_timm_lacks():
+    with pytest.raises(ValueError, match="no timm equivalent"):
+        timm_name("locality_vit_tiny_patch16")
+    with pytest.raises(ValueError, match="needs name="):
+        from_timm({})

@@ -6,11 +6,21 @@ import pytest
 
 from tests.conftest import make_config
 from vitrain.cli import make_plan
-from vitrain.data.sources import FASHION_MNIST_FILES, FASHION_MNIST_ROOT
+from vitrain.config import ConfigError, DataConfig
+from vitrain.data.sources import FASHION_MNIST_ROOT, fashion_mnist_root
 from vitrain.recipes import get_recipe
 from vitrain.train import train
 
-HAVE_DATA = all((FASHION_MNIST_ROOT / name).is_file() for names in FASHION_MNIST_FILES.values() for name in names)
+
+def _have_fashion_mnist() -> bool:
+    try:
+        fashion_mnist_root(DataConfig())
+    except ConfigError:
+        return False
+    return True
+
+
+HAVE_DATA = _have_fashion_mnist()
 
 
 @pytest.mark.slow

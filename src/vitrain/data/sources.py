@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import math
 import os
 import struct
 import urllib.request
@@ -59,34 +60,45 @@ def _missing_fashion_mnist(root: Path, name: str) -> ConfigError:
     )
 
 
-def read_idx(path: Path) -> torch.Tensor:
-    """Read an IDX file (gzip or raw) of unsigned bytes into a uint8 tensor."""
-    with open(path, "rb") as handle:
-        data = handle.read()
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (EOFError, gzip.BadGzipFile) as error:
-            raise ValueError(f"{path}: corrupt or truncated gzip ({error})") from None
+def _idx_shape(data: bytes, path: Path) -> tuple[int, ...]:
+    """Shape from an IDX header of unsigned bytes (magic 0x0000 0x08 ndim, then ndim big-endian sizes)."""
     if len(data) < 4:
         raise ValueError(f"{path}: too short to be an IDX file")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
+    if zero != 0 or dtype_code != 0x08 or len(data) < 4 + 4 * ndim:
         raise ValueError(f"{path}: not an IDX file of unsigned bytes (header {data[:4].hex()})")
-    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    payload = data[4 + 4 * ndim :]
-    expected = 1
-    for side in shape:
-        expected *= side
+    return struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+
+
+def _open_idx(path: Path):
+    with open(path, "rb") as handle:
+        gzipped = handle.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read an IDX file (gzip or raw) of unsigned bytes into a uint8 tensor."""
+    try:
+        with _open_idx(path) as handle:
+            data = handle.read()
+    except (EOFError, gzip.BadGzipFile) as error:
+        raise ValueError(f"{path}: corrupt or truncated gzip ({error})") from None
+    shape = _idx_shape(data, path)
+    payload = data[4 + 4 * len(shape) :]
+    expected = math.prod(shape)
     if len(payload) != expected:
         raise ValueError(f"{path}: header promises {expected} bytes of data, file holds {len(payload)} (truncated?)")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).reshape(shape)
 
 
-def _fashion_mnist_header_count(path: Path) -> int:
-    with gzip.open(path, "rb") as handle:
-        header = handle.read(8)
-    return struct.unpack(">I", header[4:8])[0]
+def idx_length(path: Path) -> int:
+    """Number of items (first dimension) in an IDX file, reading only its header."""
+    try:
+        with _open_idx(path) as handle:
+            header = handle.read(4 + 4 * 255)  # the longest possible header
+    except (EOFError, gzip.BadGzipFile) as error:
+        raise ValueError(f"{path}: corrupt or truncated gzip ({error})") from None
+    return _idx_shape(header, path)[0]
 
 
 def fashion_mnist_root(config: DataConfig) -> Path:
@@ -206,8 +218,8 @@ def describe_source(config: DataConfig) -> DatasetInfo:
     """Read what resolve() needs without loading the data; raise ConfigError if it is missing."""
     if config.name == "fashion-mnist":
         root = fashion_mnist_root(config)
-        num_train = _fashion_mnist_header_count(root / FASHION_MNIST_FILES["train"][1])
-        num_eval = _fashion_mnist_header_count(root / FASHION_MNIST_FILES["eval"][1])
+        num_train = idx_length(root / FASHION_MNIST_FILES["train"][1])
+        num_eval = idx_length(root / FASHION_MNIST_FILES["eval"][1])
         sizes = (num_train, num_eval, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
     elif config.name == "imagefolder":
         root = image_folder_root(config)

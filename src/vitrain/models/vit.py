@@ -29,6 +29,8 @@ class ViTArgs:
     depth: int = 12
     num_heads: int = 3
     mlp_ratio: float = 4.0
+    mlp_dim: int | None = None
+    """FFN hidden size; ``embed_dim * mlp_ratio`` when unset (g/14 and G/14 have non-integer ratios)."""
     patch_size: int = 16
     img_size: int = 224
     in_chans: int = 3
@@ -62,7 +64,7 @@ class VisionTransformer(nn.Module):
             Block(
                 dim,
                 args.num_heads,
-                int(dim * args.mlp_ratio),
+                args.mlp_dim or int(dim * args.mlp_ratio),
                 mlp_type=mlp_type,
                 num_prefix_tokens=self.num_prefix_tokens,
                 drop=args.drop_rate,

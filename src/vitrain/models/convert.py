@@ -1,0 +1,92 @@
+"""Weights to and from timm: a model trained here loads into ``timm.create_model`` and back.
+
+Our ViT, DeiT, VOLO and ResNet-50 use timm's parameter names, so conversion is a name map of
+variants plus a check; families timm lacks (locality ViT, LocalViT) are refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain.models import build_model, model_spec
+
+# Our variant -> timm architecture.
+TIMM_NAMES = {
+    "vit_tiny_patch16": "vit_tiny_patch16_224",
+    "vit_small_patch16": "vit_small_patch16_224",
+    "vit_base_patch16": "vit_base_patch16_224",
+    "vit_large_patch16": "vit_large_patch16_224",
+    "vit_huge_patch14": "vit_huge_patch14_224",
+    "vit_giant_patch14": "vit_giant_patch14_224",
+    "vit_gigantic_patch14": "vit_gigantic_patch14_224",
+    "deit_tiny_patch16": "deit_tiny_patch16_224",
+    "deit_small_patch16": "deit_small_patch16_224",
+    "deit_base_patch16": "deit_base_patch16_224",
+}
+_OUR_NAMES = {timm_name: ours for ours, timm_name in TIMM_NAMES.items()}
+
+
+def register_timm_name(ours: str, theirs: str) -> None:
+    TIMM_NAMES[ours] = theirs
+    _OUR_NAMES[theirs] = ours
+
+
+def timm_name(name: str) -> str:
+    """The timm architecture equal to our variant ``name``."""
+    model_spec(name)  # unknown names fail with the registry's hint
+    if name not in TIMM_NAMES:
+        raise ValueError(f"{name} has no timm equivalent; timm conversion covers {', '.join(sorted(TIMM_NAMES))}")
+    return TIMM_NAMES[name]
+
+
+def _inferred_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:
+    """Args a state dict fixes that can differ from the variant's defaults (classes, size, head)."""
+    args = model_spec(name).args
+    overrides: dict[str, Any] = {}
+    for key in ("head.weight", "fc.weight"):
+        if key in state_dict and hasattr(args, "num_classes"):
+            overrides["num_classes"] = state_dict[key].shape[0]
+    if hasattr(args, "in_chans"):
+        for key in ("patch_embed.proj.weight", "patch_embed.conv.0.weight", "conv1.weight"):
+            if key in state_dict:
+                overrides["in_chans"] = state_dict[key].shape[1]
+                break
+    if hasattr(args, "head") and "pos_embed" in state_dict and state_dict["pos_embed"].ndim == 3:
+        prefix = 1 if "cls_token" in state_dict else 0
+        grid = round((state_dict["pos_embed"].shape[1] - prefix) ** 0.5)
+        overrides.update(head="cls" if prefix else "gap", img_size=grid * args.patch_size)
+    return overrides
+
+
+def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None = None, **overrides: Any) -> nn.Module:
+    """Our model holding the weights of a timm model (or its state dict).
+
+    ``name`` is our variant; for a timm model it defaults to the one matching its architecture.
+    Classes, input size, channels and head are read from the weights; ``overrides`` set the rest.
+    """
+    if isinstance(source, nn.Module):
+        if name is None:
+            architecture = getattr(source, "pretrained_cfg", {}).get("architecture")
+            if architecture not in _OUR_NAMES:
+                raise ValueError(f"timm architecture {architecture!r} has no vitrain variant; pass name=")
+            name = _OUR_NAMES[architecture]
+        state_dict = source.state_dict()
+    else:
+        if name is None:
+            raise ValueError("from_timm(state_dict) needs name= (our variant, see `vitrain list-models`)")
+        state_dict = source
+    timm_name(name)
+    model = build_model(name, **{**_inferred_args(state_dict, name), **overrides})
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def to_timm(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A state dict that ``timm.create_model(timm_name(variant), ...)`` loads with ``strict=True``
+    (pass the model's num_classes and img_size, and ``global_pool="avg", class_token=False``
+    for a ``gap`` head)."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
