@@ -37,7 +37,15 @@ def measure(name: str, overrides: dict, args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     step = TrainStep(
-        model, optimizer, scheduler, build_grad_scaler(args.precision, "cpu"), args.precision, "cpu", 0.1, 1.0
+        model,
+        optimizer,
+        scheduler,
+        build_grad_scaler(args.precision, "cpu"),
+        args.precision,
+        "cpu",
+        0.1,
+        1.0,
+        args.precision_mode,
     )
     images = torch.randn(args.batch, args.in_chans, args.image_size, args.image_size)
     labels = torch.randint(10, (args.batch,))
@@ -66,13 +74,21 @@ def main() -> None:
     parser.add_argument("--in-chans", type=int, default=1)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--precision-mode", default="autocast", choices=["autocast", "o2"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     for text in args.variant:
         print(
-            json.dumps({**measure(*parse_variant(text), args), "batch": args.batch, "precision": args.precision}),
+            json.dumps(
+                {
+                    **measure(*parse_variant(text), args),
+                    "batch": args.batch,
+                    "precision": args.precision,
+                    "precision_mode": args.precision_mode,
+                }
+            ),
             flush=True,
         )
 

@@ -154,6 +154,9 @@ class Config(BaseModel):
     """Name of the recipe this config came from."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where supported."""
+    precision_mode: Literal["autocast", "o2"] = "autocast"
+    """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
+    weights are updated (no effect at fp32)."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -279,6 +282,7 @@ class Plan:
     config: Config
     device: str
     precision: Literal["fp32", "bf16", "fp16"]
+    precision_mode: Literal["autocast", "o2"]
     out_dir: Path
     num_train: int
     num_eval: int
@@ -414,6 +418,7 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         config=config,
         device=device,
         precision=precision,
+        precision_mode=config.precision_mode if precision != "fp32" else "autocast",
         out_dir=out_dir,
         num_train=data.num_train,
         num_eval=data.num_eval,

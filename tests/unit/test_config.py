@@ -56,6 +56,14 @@ def test_precision_auto_follows_hardware():
         resolve(make_config("precision=bf16"), DATA, CPU_ONLY)
 
 
+def test_o2_applies_only_to_low_precision():
+    o2 = ("precision=auto", "precision_mode=o2")
+    assert resolve(make_config(*o2), DATA, CPU_BF16).precision_mode == "o2"
+    assert resolve(make_config(*o2), DATA, CPU_ONLY).precision_mode == "autocast"
+    with pytest.raises(ConfigError, match="precision_mode"):
+        resolve(make_config("precision_mode=o3"), DATA, CPU_BF16)
+
+
 def test_device_cuda_without_cuda_is_rejected():
     with pytest.raises(ConfigError, match="train.device"):
         resolve(make_config("train.device=cuda"), DATA, CPU_ONLY)

@@ -33,9 +33,12 @@ def _weights(path):
     return load_checkpoint(path)["model"]
 
 
-def test_resume_after_epoch_is_bitwise_identical(small_synthetic_overrides, tmp_path):
+@pytest.mark.parametrize("mode", ["fp32", "bf16-o2"])
+def test_resume_after_epoch_is_bitwise_identical(small_synthetic_overrides, tmp_path, mode):
+    precision = ["precision=bf16", "precision_mode=o2"] if mode == "bf16-o2" else []
     overrides = [
         *small_synthetic_overrides,
+        *precision,
         "model.drop_rate=0.1",
         "model.drop_path_rate=0.1",
         "checkpoint.keep_last=5",
@@ -83,3 +86,30 @@ def test_non_finite_loss_stops_with_step_and_hint(small_synthetic_overrides, cap
     assert main(argv) == 1
     message = capsys.readouterr().err.strip()
     assert "at step" in message and "lower optim.lr" in message
+
+
+def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
+    from vitrain.models import build_model
+    from vitrain.train.step import TrainStep, build_grad_scaler
+
+    def step_for(mode):
+        torch.manual_seed(0)
+        model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        scaler = build_grad_scaler("bf16", "cpu")
+        return model, TrainStep(model, optimizer, scheduler, scaler, "bf16", "cpu", 0.0, 1.0, mode)
+
+    images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
+    o1_model, o1_step = step_for("autocast")
+    o2_model, o2_step = step_for("o2")
+    o1_losses = [o1_step(images, labels)[0].item() for _ in range(5)]
+    o2_losses = [o2_step(images, labels)[0].item() for _ in range(5)]
+    assert o2_losses[-1] < o2_losses[0]
+    assert all(abs(a - b) < 0.05 * abs(a) for a, b in zip(o1_losses, o2_losses, strict=True)), (o1_losses, o2_losses)
+    compute = o2_step.low_precision.compute
+    for (name, master), copy in zip(o2_model.named_parameters(), compute.parameters(), strict=True):
+        assert master.dtype == torch.float32 and copy.dtype == torch.bfloat16, name
+        assert torch.equal(master.to(torch.bfloat16), copy), name
+        assert master.grad is not None and master.grad.dtype == torch.float32 and copy.grad is None, name
+    assert o1_step.low_precision is None

@@ -92,6 +92,7 @@ class Run:
                 "steps_per_epoch": self.plan.steps_per_epoch,
                 "total_steps": self.plan.total_steps,
                 "precision": self.plan.precision,
+                "precision_mode": self.plan.precision_mode,
             },
         }
 
@@ -100,6 +101,7 @@ class Run:
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
+        self.step_fn.weights_changed()
         self.state = TrainState.from_state_dict(payload["state"])
         restore_rng_state(payload["rng"])
 
@@ -119,6 +121,7 @@ def build_run(plan: Plan) -> Run:
         plan.device,
         plan.config.train.label_smoothing,
         plan.config.optim.grad_clip,
+        plan.precision_mode,
     )
     train_loader, eval_loader = build_loaders(plan)
     return Run(
@@ -160,6 +163,7 @@ def _write_summary(run: Run, wall_s: float, images_this_session: int, session_tr
         "recipe": plan.config.recipe,
         "device": plan.device,
         "precision": plan.precision,
+        "precision_mode": plan.precision_mode,
         "epochs": state.step / plan.steps_per_epoch,
         "steps": state.step,
         "images_seen": state.images_seen,
@@ -317,7 +321,7 @@ def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
         plan.steps_per_epoch,
         plan.global_batch,
         plan.lr,
-        plan.precision,
+        plan.precision + (" (o2)" if plan.precision_mode == "o2" else ""),
         plan.device,
         plan.out_dir,
     )
