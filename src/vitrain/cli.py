@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("--url", default=None, help="base URL of the files (default: the dataset's public mirror)")
 
     commands.add_parser("list-recipes", help="named recipes and what they do")
-    commands.add_parser("list-models", help="registered models with their parameter counts")
+    list_models_parser = commands.add_parser("list-models", help="registered models with their parameter counts")
+    list_models_parser.add_argument(
+        "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
+    )
     return parser
 
 
@@ -132,11 +135,14 @@ def command_list_recipes(args: argparse.Namespace) -> int:
 
 def command_list_models(args: argparse.Namespace) -> int:
     from vitrain.models import build_model, list_models, num_parameters
+    from vitrain.models.flops import model_flops
 
-    print(f"{'name':32} {'params':>9}  description")
+    flops_header = f"{'GFLOPs':>8} {'at':>4}  " if args.flops else ""
+    print(f"{'name':28} {'params':>9}  {flops_header}description")
     for spec in list_models():
-        params = num_parameters(build_model(spec.name, device="meta"))
-        print(f"{spec.name:32} {params / 1e6:8.2f}M  {spec.description}")
+        model = build_model(spec.name, device="meta")
+        flops = f"{model_flops(model, spec.args.img_size) / 1e9:8.2f} {spec.args.img_size:4d}  " if args.flops else ""
+        print(f"{spec.name:28} {num_parameters(model) / 1e6:8.2f}M  {flops}{spec.description}")
     return 0
 
 

@@ -32,14 +32,15 @@ class ModelConfig(Section):
     """Patch size override; the variant's own when unset."""
     head: Literal["cls", "gap"] | None = None
     """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
-    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
-    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls."""
-    drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on embeddings, MLP outputs and before the head."""
-    attn_drop_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on attention probabilities."""
-    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    """Stochastic depth rate of the last block (linearly increasing from 0)."""
+    attn_impl: Literal["sdpa", "matmul"] | None = None
+    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls;
+    the variant's (sdpa) when unset."""
+    drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Dropout on embeddings, MLP outputs and before the head; the variant's (0) when unset."""
+    attn_drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Dropout on attention probabilities; the variant's (0) when unset."""
+    drop_path_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Stochastic depth rate of the last block (linearly increasing from 0); the variant's when unset."""
 
 
 class DataConfig(Section):
@@ -328,14 +329,30 @@ def _check_batch_and_length(config: Config, num_train: int) -> int:
     return steps_per_epoch
 
 
+# ModelConfig fields that are model arguments, passed through when set.
+MODEL_OPTIONS = ("patch_size", "head", "attn_impl", "drop_rate", "attn_drop_rate", "drop_path_rate")
+
+
 def _resolve_patch_size(config: Config) -> int:
+    """The model's input stride (patch size; VOLO's patch x downsampling), after checking that every
+    model option set in the config is an argument of this model family."""
+    import dataclasses
+
     from vitrain.models import model_spec
 
     try:
         spec = model_spec(config.model.name)
     except KeyError as error:
         raise ConfigError(f"model.name: {error.args[0]}") from None
-    patch = config.model.patch_size or getattr(spec.args, "patch_size", 1)
+    fields = {field.name for field in dataclasses.fields(spec.args)}
+    for option in MODEL_OPTIONS:
+        _require(
+            getattr(config.model, option) is None or option in fields,
+            f"model.{option}={getattr(config.model, option)} (from the recipe or your overrides) is not an option "
+            f"of {config.model.name}; set model.{option}=null (that family takes "
+            f"{', '.join(sorted(fields & set(MODEL_OPTIONS))) or 'none of the model.* options'})",
+        )
+    patch = config.model.patch_size or getattr(spec.args, "total_stride", getattr(spec.args, "patch_size", 1))
     _require(
         config.data.image_size % patch == 0,
         f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "

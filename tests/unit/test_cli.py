@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vitrain.checkpoint import find_latest_checkpoint
 from vitrain.cli import main
 from vitrain.metrics import read_jsonl
@@ -45,3 +47,18 @@ def test_list_commands(capsys):
     assert "locality_vit_tiny6_patch7" in listed and "86.57M" in listed
     assert main(["list-recipes"]) == 0
     assert "fmnist (default)" in capsys.readouterr().out
+
+
+def test_list_models_with_flops_shows_gflops_at_default_size(capsys):
+    assert main(["list-models", "--flops"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["vit_base_patch16"][2:4] == ["35.13", "224"]  # 17.6 GMACs, the published ViT-B/16 figure
+    assert float(rows["volo_d1"][2]) == pytest.approx(13.84, abs=0.01)  # 6.9 GMACs (paper: 6.8G)
+
+
+def test_model_option_of_another_family_is_rejected_with_a_fix(capsys):
+    # the default recipe sets model.head=gap; VOLO has no such option
+    assert main(["show-config", "--set", "model.name=volo_d1"]) == 0
+    assert main(["train", "--set", "model.name=volo_d1", "--set", "data.name=synthetic"]) == 2
+    message = capsys.readouterr().err
+    assert "model.head=gap" in message and "set model.head=null" in message

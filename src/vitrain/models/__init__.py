@@ -11,6 +11,7 @@ from torch import nn
 
 from vitrain.models.layers import resample_pos_embed
 from vitrain.models.vit import VisionTransformer, ViTArgs
+from vitrain.models.volo import VOLO, VOLO_VARIANTS, VOLOArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +113,18 @@ def _register_vit_family() -> None:
     )
 
 
+def _register_volo_family() -> None:
+    for name, args in VOLO_VARIANTS.items():
+        register_model(name, VOLO, args, f"VOLO-{name[-2:].upper()} (Yuan et al. 2021; seed 000)")
+
+
 _register_vit_family()
+_register_volo_family()
 
 __all__ = [
     "ModelSpec",
+    "VOLO",
+    "VOLOArgs",
     "VisionTransformer",
     "ViTArgs",
     "build_model",

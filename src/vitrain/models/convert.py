@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitrain.models import build_model, model_spec
+from vitrain.models import VOLOArgs, build_model, model_spec
 
 # Our variant -> timm architecture.
 TIMM_NAMES = {
@@ -26,6 +26,7 @@ TIMM_NAMES = {
     "deit_tiny_patch16": "deit_tiny_patch16_224",
     "deit_small_patch16": "deit_small_patch16_224",
     "deit_base_patch16": "deit_base_patch16_224",
+    **{f"volo_d{depth}": f"volo_d{depth}_224" for depth in range(1, 6)},
 }
 _OUR_NAMES = {timm_name: ours for ours, timm_name in TIMM_NAMES.items()}
 
@@ -55,6 +56,8 @@ def _inferred_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[st
             if key in state_dict:
                 overrides["in_chans"] = state_dict[key].shape[1]
                 break
+    if isinstance(args, VOLOArgs) and "pos_embed" in state_dict:  # a (1, H, W, C) grid at 1/16
+        overrides["img_size"] = state_dict["pos_embed"].shape[1] * args.pos_embed_stride
     if hasattr(args, "head") and "pos_embed" in state_dict and state_dict["pos_embed"].ndim == 3:
         prefix = 1 if "cls_token" in state_dict else 0
         grid = round((state_dict["pos_embed"].shape[1] - prefix) ** 0.5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from vitrain.models.vit import VisionTransformer, ViTArgs
+from vitrain.models.volo import VOLO, volo_flops
 
 
 def vit_flops(args: ViTArgs, img_size: int) -> int:
@@ -29,4 +30,6 @@ def model_flops(model: nn.Module, img_size: int) -> int:
     """Forward FLOPs per image of a built model at ``img_size`` (square) input."""
     if isinstance(model, VisionTransformer):
         return vit_flops(model.args, img_size)
+    if isinstance(model, VOLO):
+        return volo_flops(model.args, img_size)
     raise TypeError(f"no analytic FLOPs for {type(model).__name__}; add a function to vitrain.models.flops")

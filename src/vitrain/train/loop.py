@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
-from vitrain.config import Plan, config_to_yaml
+from vitrain.config import MODEL_OPTIONS, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.metrics import JsonlWriter, run_environment
 from vitrain.models import build_model, num_parameters
@@ -48,12 +48,7 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
         img_size=plan.config.data.image_size,
         in_chans=plan.in_chans,
         num_classes=plan.num_classes,
-        patch_size=model_config.patch_size,
-        head=model_config.head,
-        attn_impl=model_config.attn_impl,
-        drop_rate=model_config.drop_rate,
-        attn_drop_rate=model_config.attn_drop_rate,
-        drop_path_rate=model_config.drop_path_rate,
+        **{option: getattr(model_config, option) for option in MODEL_OPTIONS},
     )
     model.to_empty(device=device or plan.device)
     model.init_weights()
