@@ -157,7 +157,11 @@ def _assert_same_logits(reference, model, img_size: int) -> None:
     assert difference <= 1e-4, difference
 
 
-SMALL_TIMM_VARIANTS = [name for name in TIMM_NAMES if name.split("_")[1] in ("tiny", "small", "base")]
+SMALL_TIMM_VARIANTS = [
+    name
+    for name in TIMM_NAMES
+    if name.startswith(("vit_", "deit_")) and name.split("_")[1] in ("tiny", "small", "base")
+]
 LARGE_TIMM_VARIANTS = ["vit_large_patch16", "vit_huge_patch14"]
 
 
@@ -216,3 +220,13 @@ def test_conversion_refuses_families_timm_lacks():
         timm_name("locality_vit_tiny_patch16")
     with pytest.raises(ValueError, match="needs name="):
         from_timm({})
+
+
+@pytest.mark.parametrize(("ours", "img_size"), [("resnet50", 64), ("volo_d1", 64)])
+def test_from_timm_reads_other_families(ours, img_size):
+    torch.manual_seed(0)
+    size = {} if ours == "resnet50" else {"img_size": img_size}
+    reference = timm.create_model(timm_name(ours), pretrained=False, num_classes=7, **size).eval()
+    model = from_timm(reference).eval()
+    assert model.args.num_classes == 7 and model.args.img_size == (img_size if size else 224)
+    _assert_same_logits(reference, model, img_size)

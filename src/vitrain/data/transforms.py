@@ -73,6 +73,9 @@ def batch_random_resized_crop(
     device = images.device
     x0, y0, crop_w, crop_h = _sample_crop_boxes(batch, height, width, scale, ratio, generator, device)
     flip = torch.rand(batch, device=device, generator=generator) < hflip
+    if size == height == width and bool(((crop_w == width) & (crop_h == height)).all()):
+        # every box is the whole image (scale (1, 1)): only the flips remain, no resampling
+        return torch.where(flip[:, None, None, None], images.flip(-1), images)
     # affine_grid maps output coords in [-1, 1] to input coords in [-1, 1] (align_corners=False).
     theta = torch.zeros(batch, 2, 3, device=device)
     theta[:, 0, 0] = torch.where(flip, -crop_w, crop_w) / width

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from vitrain.models.layers import resample_pos_embed
+from vitrain.models.localvit import LOCALVIT_SIZES, build_localvit
+from vitrain.models.resnet import ResNet, ResNetArgs, build_resnet
 from vitrain.models.vit import VisionTransformer, ViTArgs
 from vitrain.models.volo import VOLO, VOLO_VARIANTS, VOLOArgs
 
@@ -113,6 +115,22 @@ def _register_vit_family() -> None:
     )
 
 
+def _register_localvit_family() -> None:
+    for size, fields in LOCALVIT_SIZES.items():
+        register_model(
+            f"localvit_{size}_patch16",
+            build_localvit,
+            ViTArgs(**fields),
+            f"LocalViT-{size[0].upper()}: BN + SE depthwise-conv FFN (Li et al. 2021), seed 004's baseline",
+        )
+
+
+def _register_resnet_family() -> None:
+    register_model(
+        "resnet50", build_resnet, ResNetArgs(depth=50), "ResNet-50 (He et al. 2016; seed 003), torchvision's"
+    )
+
+
 def _register_volo_family() -> None:
     for name, args in VOLO_VARIANTS.items():
         register_model(name, VOLO, args, f"VOLO-{name[-2:].upper()} (Yuan et al. 2021; seed 000)")
@@ -120,9 +138,13 @@ def _register_volo_family() -> None:
 
 _register_vit_family()
 _register_volo_family()
+_register_localvit_family()
+_register_resnet_family()
 
 __all__ = [
     "ModelSpec",
+    "ResNet",
+    "ResNetArgs",
     "VOLO",
     "VOLOArgs",
     "VisionTransformer",

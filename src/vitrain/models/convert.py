@@ -27,6 +27,7 @@ TIMM_NAMES = {
     "deit_small_patch16": "deit_small_patch16_224",
     "deit_base_patch16": "deit_base_patch16_224",
     **{f"volo_d{depth}": f"volo_d{depth}_224" for depth in range(1, 6)},
+    "resnet50": "resnet50",
 }
 _OUR_NAMES = {timm_name: ours for ours, timm_name in TIMM_NAMES.items()}
 
@@ -52,7 +53,7 @@ def _inferred_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[st
         if key in state_dict and hasattr(args, "num_classes"):
             overrides["num_classes"] = state_dict[key].shape[0]
     if hasattr(args, "in_chans"):
-        for key in ("patch_embed.proj.weight", "patch_embed.conv.0.weight", "conv1.weight"):
+        for key in ("patch_embed.conv.0.weight", "conv1.weight", "patch_embed.proj.weight"):  # first layer first
             if key in state_dict:
                 overrides["in_chans"] = state_dict[key].shape[1]
                 break

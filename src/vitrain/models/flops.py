@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from vitrain.models.localvit import localvit_mlp_flops
+from vitrain.models.resnet import ResNet, resnet_flops
 from vitrain.models.vit import VisionTransformer, ViTArgs
 from vitrain.models.volo import VOLO, volo_flops
 
@@ -23,6 +25,8 @@ def vit_flops(args: ViTArgs, img_size: int) -> int:
     ffn = 2 * 2 * tokens * dim * hidden
     if args.ffn == "locality":
         ffn += 2 * patches * hidden * 3 * 3  # depthwise 3x3 conv over the patch grid
+    elif args.ffn == "localvit":
+        ffn = localvit_mlp_flops(dim, hidden, tokens, (grid, grid))
     return patch_embed + args.depth * (attention + ffn) + 2 * dim * args.num_classes
 
 
@@ -30,6 +34,8 @@ def model_flops(model: nn.Module, img_size: int) -> int:
     """Forward FLOPs per image of a built model at ``img_size`` (square) input."""
     if isinstance(model, VisionTransformer):
         return vit_flops(model.args, img_size)
+    if isinstance(model, ResNet):
+        return resnet_flops(model.args, img_size)
     if isinstance(model, VOLO):
         return volo_flops(model.args, img_size)
     raise TypeError(f"no analytic FLOPs for {type(model).__name__}; add a function to vitrain.models.flops")

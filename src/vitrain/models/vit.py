@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vitrain.models.layers import Block, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+from vitrain.models.localvit import LocalViTMlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ViTArgs:
     in_chans: int = 3
     num_classes: int = 1000
     head: Literal["cls", "gap"] = "cls"
-    ffn: Literal["mlp", "locality"] = "mlp"
+    ffn: Literal["mlp", "locality", "localvit"] = "mlp"
     attn_impl: Literal["sdpa", "matmul"] = "sdpa"
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
@@ -58,7 +59,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.head == "cls" else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + grid_side**2, dim, **factory))
         self.pos_drop = nn.Dropout(args.drop_rate)
-        mlp_type = LocalityMlp if args.ffn == "locality" else Mlp
+        mlp_type = {"mlp": Mlp, "locality": LocalityMlp, "localvit": LocalViTMlp}[args.ffn]
         drop_path_rates = torch.linspace(0, args.drop_path_rate, args.depth).tolist()
         self.blocks = nn.ModuleList(
             Block(
@@ -97,7 +98,7 @@ class VisionTransformer(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Conv2d):
+            elif isinstance(module, (nn.Conv2d, nn.BatchNorm2d)):
                 module.reset_parameters()
 
     def no_weight_decay(self) -> set[str]:
