@@ -230,3 +230,16 @@ def test_from_timm_reads_other_families(ours, img_size):
     model = from_timm(reference).eval()
     assert model.args.num_classes == 7 and model.args.img_size == (img_size if size else 224)
     _assert_same_logits(reference, model, img_size)
+
+
+@pytest.mark.parametrize(("ours", "img_size", "new_size"), [("vit_tiny_patch16", 64, 96), ("volo_d1", 64, 96)])
+def test_weights_from_another_resolution_load_with_resampled_position_embeddings(ours, img_size, new_size):
+    torch.manual_seed(0)
+    small = build_model(ours, img_size=img_size, num_classes=3).eval()
+    large = from_timm(small.state_dict(), name=ours, img_size=new_size).eval()
+    assert large.args.img_size == new_size and large.pos_embed.shape != small.pos_embed.shape
+    images = torch.randn(1, 3, new_size, new_size)
+    with torch.no_grad():  # the small model resamples on the fly; loading resampled once: the same function
+        assert torch.allclose(large(images), small(images), atol=1e-5)
+    with pytest.raises(RuntimeError, match="pos_embed"):
+        build_model(ours, img_size=new_size, num_classes=3).load_state_dict(small.state_dict())

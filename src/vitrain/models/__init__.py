@@ -59,6 +59,20 @@ def build_model(
     return spec.builder(dataclasses.replace(spec.args, **changes), device=device, dtype=dtype)
 
 
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """``model.load_state_dict`` that first resamples a position embedding saved at another input
+    resolution to the model's grid (ViT's ``(1, prefix + H*W, D)`` and VOLO's ``(1, H, W, D)``)."""
+    saved, own = state_dict.get("pos_embed"), getattr(model, "pos_embed", None)
+    if saved is not None and own is not None and saved.shape != own.shape:
+        if own.ndim == 4:  # a (1, H, W, D) grid: flatten it for the shared resampler
+            flat = resample_pos_embed(saved.flatten(1, 2), tuple(own.shape[1:3]), num_prefix_tokens=0)
+            resampled = flat.reshape(own.shape)
+        else:
+            resampled = resample_pos_embed(saved, model.grid, model.num_prefix_tokens)
+        state_dict = {**state_dict, "pos_embed": resampled}
+    model.load_state_dict(state_dict, strict=strict)
+
+
 def num_parameters(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
@@ -151,6 +165,7 @@ __all__ = [
     "ViTArgs",
     "build_model",
     "list_models",
+    "load_weights",
     "model_spec",
     "num_parameters",
     "register_model",

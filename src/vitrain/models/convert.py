@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitrain.models import VOLOArgs, build_model, model_spec
+from vitrain.models import VOLOArgs, build_model, load_weights, model_spec
 
 # Our variant -> timm architecture.
 TIMM_NAMES = {
@@ -70,7 +70,8 @@ def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None =
     """Our model holding the weights of a timm model (or its state dict).
 
     ``name`` is our variant; for a timm model it defaults to the one matching its architecture.
-    Classes, input size, channels and head are read from the weights; ``overrides`` set the rest.
+    Classes, input size, channels and head are read from the weights; ``overrides`` set the rest
+    (``img_size=`` another resolution resamples the position embedding bicubically).
     """
     if isinstance(source, nn.Module):
         if name is None:
@@ -85,7 +86,7 @@ def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None =
         state_dict = source
     timm_name(name)
     model = build_model(name, **{**_inferred_args(state_dict, name), **overrides})
-    model.load_state_dict(state_dict, strict=True)
+    load_weights(model, state_dict)  # an img_size override resamples the position embedding
     return model
 
 
