@@ -13,11 +13,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitrain.models import num_parameters
-from vitrain.models import vit as vit_module
 from vitrain.models.flops import vit_flops
 from vitrain.models.localvit import LOCALVIT_SIZES, LocalViTMlp, build_localvit, localvit_mlp_flops
 from vitrain.models.resnet import RESNET_LAYOUTS, ResNet, ResNetArgs, resnet_flops
-from vitrain.models.vit import VisionTransformer, ViTArgs
+from vitrain.models.vit import ViTArgs
 from vitrain.train.optim import build_param_groups
 
 MAX_ABS_DIFF = 1e-4
@@ -26,27 +25,8 @@ FLOPS_TOLERANCE = 0.05
 TINY_LOCALVIT = ViTArgs(embed_dim=32, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=7, ffn="localvit")
 
 
-def _localvit_is_wired() -> bool:
-    model = VisionTransformer(dataclasses.replace(TINY_LOCALVIT, depth=1), device="meta")
-    return isinstance(model.blocks[0].mlp, LocalViTMlp)
-
-
 @pytest.fixture
-def localvit(monkeypatch):
-    """``build_localvit``; until vit.py maps ``ffn="localvit"`` to ``LocalViTMlp`` and resets
-    BatchNorm in ``init_weights``, both are patched in here (delete the patch once wired)."""
-    if not _localvit_is_wired():
-        original_init = VisionTransformer.init_weights
-
-        @torch.no_grad()
-        def init_weights(self):
-            original_init(self)
-            for module in self.modules():
-                if isinstance(module, nn.BatchNorm2d):
-                    module.reset_parameters()
-
-        monkeypatch.setattr(vit_module, "Mlp", LocalViTMlp)
-        monkeypatch.setattr(VisionTransformer, "init_weights", init_weights)
+def localvit():
     return build_localvit
 
 
