@@ -32,6 +32,8 @@ class ModelConfig(Section):
     """Patch size override; the variant's own when unset."""
     head: Literal["cls", "gap"] | None = None
     """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
+    mlp_ratio: float | None = Field(None, gt=0.0)
+    """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
     attn_impl: Literal["sdpa", "matmul"] | None = None
     """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls;
     the variant's (sdpa) when unset."""
@@ -330,7 +332,7 @@ def _check_batch_and_length(config: Config, num_train: int) -> int:
 
 
 # ModelConfig fields that are model arguments, passed through when set.
-MODEL_OPTIONS = ("patch_size", "head", "attn_impl", "drop_rate", "attn_drop_rate", "drop_path_rate")
+MODEL_OPTIONS = ("patch_size", "head", "mlp_ratio", "attn_impl", "drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
 def _resolve_patch_size(config: Config) -> int:

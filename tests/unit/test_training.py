@@ -113,3 +113,12 @@ def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
         assert torch.equal(master.to(torch.bfloat16), copy), name
         assert master.grad is not None and master.grad.dtype == torch.float32 and copy.grad is None, name
     assert o1_step.low_precision is None
+
+
+def test_model_options_from_the_config_reach_the_model(small_synthetic_overrides):
+    from vitrain.train import build_model_for
+
+    plan = make_plan(make_config(*small_synthetic_overrides, "model.mlp_ratio=2", "model.head=gap"))
+    model = build_model_for(plan)
+    assert model.blocks[0].mlp.fc1.out_features == 2 * model.args.embed_dim
+    assert model.args.head == "gap" and model.cls_token is None

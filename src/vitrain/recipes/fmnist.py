@@ -8,19 +8,21 @@ from vitrain.recipes import register_recipe
 
 @register_recipe
 def fmnist() -> Config:
-    """Default run: 6-block locality ViT (width 192, patch 7) on Fashion-MNIST, bf16 where
-    supported. `vitrain train`; measured 88.3 % test top-1 in 8.5 minutes on 2 CPU cores
-    (docs/benchmarks.md; the 90 % target is not reached yet)."""
-    config = Config(precision="auto")
+    """Default run: 6-block locality ViT (width 192, FFN ratio 2, patch 7) on Fashion-MNIST, bf16
+    "O2" where supported, 9 epochs. `vitrain train`; measured 89.2 % test top-1 in about 9 minutes
+    on 2 CPU cores (docs/benchmarks.md; the 90 % target is not reached yet)."""
+    config = Config(precision="auto", precision_mode="o2")  # O2: +4 % step throughput over autocast
     config.model.name = "locality_vit_tiny6_patch7"
     config.model.head = "gap"  # +1.9 pt over CLS after 1 epoch (docs/benchmarks.md)
+    config.model.mlp_ratio = 2.0  # 1.6x faster step: 9 epochs fit where 6 would at ratio 4, same accuracy
     config.model.attn_impl = "matmul"  # faster than SDPA's CPU kernels here (docs/benchmarks.md)
     config.data.name = "fashion-mnist"
     config.data.image_size = 28
     config.data.scale = (1.0, 1.0)  # crops of scale 0.35-1 cost ~15 pt at equal epochs (docs/benchmarks.md)
+    config.data.hflip = 0.0  # flips cost 0.4 pt at 2 epochs and are neutral at 9 (89.17 vs 89.15)
     config.data.crop_pct = 1.0
     config.train.batch_size = 256
-    config.train.epochs = 5
+    config.train.epochs = 9
     config.optim.lr = 6e-3  # 1.5e-3 at batch 256
     config.optim.weight_decay = 0.05
     config.schedule.warmup_epochs = 0.5
