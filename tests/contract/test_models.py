@@ -176,7 +176,8 @@ def test_logits_equal_timm_with_copied_weights(ours, head):
 @pytest.mark.slow
 @pytest.mark.parametrize("ours", LARGE_TIMM_VARIANTS)
 def test_large_variants_equal_timm(ours):
-    reference, model = _timm_pair(ours, "cls", 2 * model_spec(ours).args.patch_size)
+    # num_classes given: timm's vit_huge_patch14_224 defaults to no head (num_classes=0)
+    reference, model = _timm_pair(ours, "cls", 2 * model_spec(ours).args.patch_size, num_classes=1000)
     _assert_same_logits(reference, model, 2 * model_spec(ours).args.patch_size)
 
 
