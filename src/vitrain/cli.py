@@ -69,7 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
     list_models_parser.add_argument(
         "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
     )
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="time training steps on synthetic data: img/s, MFU, peak memory (optionally against timm)"
+    )
+    bench.add_argument(
+        "--recipe", default=None, help="recipe whose model/optimizer settings apply (default: the plain defaults)"
+    )
+    _add_config_arguments(bench, with_recipe=False)
+    bench.add_argument("--model", required=True, help="registered model (see list-models)")
+    bench.add_argument("--image-size", type=int, required=True, help="input side in pixels")
+    bench.add_argument("--batch", type=int, required=True, help="images per step")
+    bench.add_argument("--precision", required=True, choices=["fp32", "bf16", "fp16"])
+    bench.add_argument(
+        "--precision-mode", choices=["autocast", "o2"], help="default: the recipe's; autocast without --recipe"
+    )
+    bench.add_argument("--compile", action="store_true", help="torch.compile the model; compile time reported apart")
+    bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed windows; img/s is their median (default 5)")
+    bench.add_argument("--json", type=Path, help="also write the result as JSON to this file")
+    bench.add_argument(
+        "--compare-timm", action="store_true", help="also time the timm model of the same architecture, timm's way"
+    )
 
 
 def load_config(base: Config, args: argparse.Namespace) -> Config:
@@ -146,6 +172,21 @@ def command_list_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_bench(args: argparse.Namespace) -> int:
+    from vitrain.bench import BenchSettings, bench_overrides, compare_with_timm, format_table, measure_training_step
+
+    settings = BenchSettings(steps=args.steps, warmup=args.warmup, repeats=args.repeats, compile=args.compile)
+    base = get_recipe(args.recipe) if args.recipe else Config()
+    flags = bench_overrides(args.model, args.image_size, args.batch, args.precision, args.precision_mode, settings)
+    plan = make_plan(build_config(base, args.config, flags + args.overrides))
+    result = compare_with_timm(plan, settings) if args.compare_timm else measure_training_step(plan, settings)
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 COMMANDS = {
     "train": command_train,
     "eval": command_eval,
@@ -153,6 +194,7 @@ COMMANDS = {
     "download-fashion-mnist": command_download_fashion_mnist,
     "list-recipes": command_list_recipes,
     "list-models": command_list_models,
+    "bench": command_bench,
 }
 
 

@@ -28,8 +28,8 @@ HAVE_DATA = _have_fashion_mnist()
     not HAVE_DATA, reason=f"Fashion-MNIST not installed at {FASHION_MNIST_ROOT} (apt-get install dataset-fashion-mnist)"
 )
 def test_default_recipe_one_epoch_reaches_stated_accuracy(tmp_path):
-    """The default recipe shortened to 1 epoch (about 1.5 minutes on 2 CPU cores) reaches 82 %
-    test top-1 (measured 85.2 %); the full recipe's figure is in docs/benchmarks.md."""
+    """The default recipe shortened to 1 epoch (about a minute on 2 CPU cores) reaches 82 % test
+    top-1; the full recipe's per-epoch figures are in docs/benchmarks.md."""
     config = make_config("train.epochs=1", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
     summary = train(make_plan(config))
     assert summary["final_top1"] >= 82.0

@@ -101,23 +101,27 @@ class Run:
         restore_rng_state(payload["rng"])
 
 
-def build_run(plan: Plan) -> Run:
+def build_training_step(plan: Plan) -> TrainStep:
+    """Seeded model, optimizer, schedule, scaler and the step that holds them (training and bench)."""
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
     optimizer = build_optimizer(model, plan)
-    scheduler = build_scheduler(optimizer, plan)
-    scaler = build_grad_scaler(plan.precision, plan.device)
-    step_fn = TrainStep(
+    return TrainStep(
         model,
         optimizer,
-        scheduler,
-        scaler,
+        build_scheduler(optimizer, plan),
+        build_grad_scaler(plan.precision, plan.device),
         plan.precision,
         plan.device,
         plan.config.train.label_smoothing,
         plan.config.optim.grad_clip,
         plan.precision_mode,
     )
+
+
+def build_run(plan: Plan) -> Run:
+    step_fn = build_training_step(plan)
+    model, optimizer, scheduler, scaler = step_fn.model, step_fn.optimizer, step_fn.scheduler, step_fn.scaler
     train_loader, eval_loader = build_loaders(plan)
     return Run(
         plan=plan,

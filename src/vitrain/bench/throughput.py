@@ -1,0 +1,306 @@
+"""Training-step throughput on synthetic data, through the training code path.
+
+The model is built as training builds it (meta device -> materialize -> ``init_weights``), the
+optimizer by ``build_optimizer``, the LR schedule by ``build_scheduler`` and the step is
+:class:`~vitrain.train.step.TrainStep` (forward, loss, backward, grad clipping, optimizer,
+scheduler). The batch is random uint8 images, normalized once on the device before the clock
+starts, with random labels: this measures the step, not the input pipeline.
+
+Timing: ``warmup`` steps (compilation included) are excluded; then ``repeats`` windows of
+``steps`` steps each, every window closed by a device synchronisation (``torch.cuda.synchronize``;
+on CPU ``loss.item()``). The median window gives img/s and ms per step; min and max give the spread.
+MFU = 3 x analytic forward FLOPs x img/s / peak FLOP/s of the device for the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitrain.bench.memory import PeakMemory
+from vitrain.config import ConfigError, Plan
+from vitrain.data import Normalize
+from vitrain.metrics.peak import peak_flops
+from vitrain.metrics.records import run_environment
+from vitrain.models import num_parameters
+from vitrain.models.flops import model_flops
+from vitrain.train.loop import build_training_step
+
+log = logging.getLogger("vitrain")
+
+# A step takes (images, labels) and returns (loss, grad norm or None) as device tensors.
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """How long to measure, and whether to compile the model first."""
+
+    steps: int = 10
+    """Steps per timed window."""
+    warmup: int = 3
+    """Untimed steps before the first window (compilation happens here)."""
+    repeats: int = 5
+    """Timed windows; img/s is their median."""
+    compile: bool = False
+    """``torch.compile`` the module that runs the forward pass."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (tests use ``eager`` to exercise the path quickly)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("steps", 1), ("repeats", 1), ("warmup", 1 if self.compile else 0)):
+            value = getattr(self, name)
+            if value < minimum:
+                why = " with --compile (compilation must stay out of the timed windows)" if name == "warmup" else ""
+                raise ConfigError(f"--{name} must be >= {minimum}{why}; got {value}")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps * self.repeats
+
+
+def bench_overrides(
+    model: str, image_size: int, batch: int, precision: str, precision_mode: str | None, settings: BenchSettings
+) -> list[str]:
+    """``--set`` style overrides that turn a recipe into a benchmark config: the bench flags, synthetic
+    data (the recipe's data path, limits and normalization do not apply), one batch per epoch, and as
+    many scheduler steps as the benchmark runs."""
+    overrides = [
+        f"model.name={model}",
+        f"data.image_size={image_size}",
+        f"train.batch_size={batch}",
+        f"precision={precision}",
+        "data.name=synthetic",
+        "data.root=null",
+        "data.mean=null",
+        "data.std=null",
+        "data.limit_train=null",
+        f"data.synthetic_num_train={max(batch, 1)}",  # a bad batch is reported as train.batch_size
+        f"train.steps={settings.total_steps}",
+    ]
+    if precision_mode is not None:
+        overrides.append(f"precision_mode={precision_mode}")
+    return overrides
+
+
+def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random uint8 images of the plan's shape, normalized on the device, and random labels."""
+    generator = torch.Generator().manual_seed(seed)
+    size = plan.config.data.image_size
+    images = torch.randint(0, 256, (plan.global_batch, plan.in_chans, size, size), generator=generator)
+    labels = torch.randint(0, plan.num_classes, (plan.global_batch,), generator=generator)
+    normalize = Normalize(plan.mean, plan.std, plan.device)
+    return normalize(images.to(torch.uint8).to(plan.device)), labels.to(plan.device)
+
+
+def _synchronize(device: str, loss: torch.Tensor) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    else:
+        loss.item()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Seconds of the warm-up, of its first step (compilation included) and of each timed window."""
+
+    warmup_s: float
+    first_step_s: float | None
+    window_s: tuple[float, ...]
+    final_loss: float
+
+
+def time_training_steps(
+    step: StepFn, images: torch.Tensor, labels: torch.Tensor, device: str, settings: BenchSettings
+) -> StepTimes:
+    """Run the warm-up, then ``repeats`` windows of ``steps`` steps, each closed by a device sync."""
+    started = time.perf_counter()
+    first_step_s = None
+    for index in range(settings.warmup):
+        loss, _ = step(images, labels)
+        if index == 0:
+            _synchronize(device, loss)
+            first_step_s = time.perf_counter() - started
+    if settings.warmup:
+        _synchronize(device, loss)
+    warmup_s = time.perf_counter() - started
+    windows = []
+    for _ in range(settings.repeats):
+        started = time.perf_counter()
+        for _ in range(settings.steps):
+            loss, _ = step(images, labels)
+        _synchronize(device, loss)
+        windows.append(time.perf_counter() - started)
+    return StepTimes(warmup_s, first_step_s, tuple(windows), loss.item())
+
+
+def throughput_record(
+    plan: Plan, times: StepTimes, settings: BenchSettings, flops_per_image: int, memory: PeakMemory
+) -> dict[str, Any]:
+    """The measured figures of one benchmark: img/s, ms/step, FLOPs, MFU, peak memory."""
+    batch = plan.global_batch
+    rates = [batch * settings.steps / seconds for seconds in times.window_s]
+    train_flops_per_step = 3 * flops_per_image * batch  # backward costs twice the forward
+    img_s_median = statistics.median(rates)
+    achieved_tflops = train_flops_per_step / batch * img_s_median / 1e12
+    peak = peak_flops(plan.device, plan.precision)
+    mfu, mfu_reason = None, peak.source
+    if peak.tflops and achieved_tflops > peak.tflops:
+        mfu_reason = (
+            f"achieved {achieved_tflops:.4g} TFLOP/s exceeds the peak {peak.tflops:.4g} ({peak.source}): "
+            "that peak does not represent this model's kernels"
+        )
+    elif peak.tflops:
+        mfu, mfu_reason = achieved_tflops / peak.tflops, None
+    return {
+        "img_s_median": img_s_median,
+        "img_s_min": min(rates),
+        "img_s_max": max(rates),
+        "step_ms_median": 1000 * statistics.median(times.window_s) / settings.steps,
+        "warmup_s": times.warmup_s,
+        "compile_s": times.first_step_s if settings.compile else None,
+        "final_loss": times.final_loss,
+        "flops_per_image_fwd": flops_per_image,
+        "train_flops_per_step": train_flops_per_step,
+        "achieved_tflops": achieved_tflops,
+        "peak_tflops": peak.tflops,
+        "peak_source": peak.source,
+        "mfu": mfu,
+        "mfu_reason": mfu_reason,
+        "peak_memory_bytes": memory.bytes,
+        "peak_memory_source": memory.source,
+        "peak_memory_reason": memory.reason,
+    }
+
+
+def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
+    """What was benchmarked and where: the fields shared by our measurement and the timm reference."""
+    return {
+        "image_size": plan.config.data.image_size,
+        "batch": plan.global_batch,
+        "precision": plan.precision,
+        "compile": settings.compile,
+        "steps": settings.steps,
+        "warmup": settings.warmup,
+        "repeats": settings.repeats,
+        "device": plan.device,
+        "threads": torch.get_num_threads(),
+        **run_environment(plan.device),
+    }
+
+
+def apply_compile(module: nn.Module, settings: BenchSettings) -> None:
+    """Compile ``module`` in place (its parameters and state-dict keys stay the same)."""
+    if settings.compile:
+        module.compile(backend=settings.compile_backend)
+
+
+def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
+    """Time the plan's training step; return one flat record (see docs/benchmarks.md for the fields)."""
+    memory = PeakMemory(plan.device)
+    memory.start()
+    step = build_training_step(plan)
+    model = step.model
+    model.train()
+    # O2 runs forward and backward on a low-precision copy: that is the module to compile.
+    apply_compile(step.low_precision.compute if step.low_precision else model, settings)
+    images, labels = synthetic_batch(plan)
+    log.info(
+        "bench %s: batch %d at %d px, %s%s on %s, %d warm-up + %d x %d steps",
+        plan.config.model.name,
+        plan.global_batch,
+        plan.config.data.image_size,
+        plan.precision,
+        " (o2)" if plan.precision_mode == "o2" else "",
+        plan.device,
+        settings.warmup,
+        settings.repeats,
+        settings.steps,
+    )
+    times = time_training_steps(step, images, labels, plan.device, settings)
+    memory.stop()
+    optim = plan.config.optim
+    return {
+        "implementation": "vitrain",
+        "model": plan.config.model.name,
+        "recipe": plan.config.recipe,
+        **describe_run(plan, settings),
+        "precision_mode": plan.precision_mode,
+        "optimizer": f"{optim.name} fused (vitrain build_optimizer)",
+        "grad_clip": optim.grad_clip,
+        "num_params": num_parameters(model),
+        **throughput_record(plan, times, settings, model_flops(model, plan.config.data.image_size), memory),
+    }
+
+
+# --- Console table (derived from the JSON record) -------------------------------------------------
+
+_TABLE_ROWS = (
+    ("model", "model"),
+    ("timm reference", "timm_reference"),
+    ("image size", "image_size"),
+    ("batch", "batch"),
+    ("precision", "precision"),
+    ("precision mode", "precision_mode"),
+    ("optimizer", "optimizer"),
+    ("compile", "compile"),
+    ("device", "device"),
+    ("device name", "device_name"),
+    ("threads", "threads"),
+    ("img/s median", "img_s_median"),
+    ("img/s min", "img_s_min"),
+    ("img/s max", "img_s_max"),
+    ("ms/step median", "step_ms_median"),
+    ("warm-up s", "warmup_s"),
+    ("compile s", "compile_s"),
+    ("params", "num_params"),
+    ("GFLOPs/image fwd", "flops_per_image_fwd"),
+    ("TFLOPs/step train", "train_flops_per_step"),
+    ("achieved TFLOP/s", "achieved_tflops"),
+    ("peak TFLOP/s", "peak_tflops"),
+    ("MFU", "mfu"),
+    ("peak memory MiB", "peak_memory_bytes"),
+    ("torch", "torch"),
+    ("git revision", "git_revision"),
+)
+_SCALES = {"flops_per_image_fwd": 1e9, "train_flops_per_step": 1e12, "peak_memory_bytes": 2**20}
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key in _SCALES:
+        value = value / _SCALES[key]
+    if key == "mfu":
+        return f"{100 * value:.1f} %"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One table: a column for our measurement and, after ``--compare-timm``, one for timm's."""
+    records = [result] + ([result["timm"]] if "timm" in result else [])
+    rows = [("", *[record["implementation"] for record in records])]
+    for label, key in _TABLE_ROWS:
+        if any(record.get(key) is not None for record in records):
+            rows.append((label, *[_cell(key, record.get(key)) for record in records]))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    notes = []
+    for record in records:
+        name = record["implementation"]
+        notes.append(f"{name} peak: {record['peak_source']}")
+        for key in ("peak_memory_reason", "mfu_reason"):
+            if record.get(key):
+                notes.append(f"{name} {key.removesuffix('_reason').replace('_', ' ')}: {record[key]}")
+    if "ours_over_timm" in result:
+        notes.append(f"vitrain / timm img/s: {result['ours_over_timm']:.3f}")
+    return "\n".join(lines + notes)

@@ -1,0 +1,209 @@
+"""Peak FLOP/s of a device for a compute dtype, the denominator of MFU.
+
+GPUs: one table of vendor datasheet figures, each entry naming its datasheet. The figures are
+dense tensor-core throughput; datasheets print the 2:4-sparsity figure (marked with an
+asterisk), which is twice the dense one. fp32 training uses the TF32 tensor-core figure only
+when torch lets matmuls use TF32 (``torch.set_float32_matmul_precision("high")``), otherwise the
+plain fp32 figure. CPUs have no table: a matmul probe measures the peak once per process
+(per dtype, size and thread count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakFlops:
+    """Peak TFLOP/s for a device and dtype; ``source`` says where it comes from, or why it is unknown."""
+
+    tflops: float | None
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPeaks:
+    """Dense TFLOP/s of one GPU model per matmul dtype (fp32, tf32, bf16, fp16)."""
+
+    pattern: str
+    """Regular expression searched (case-insensitively) in ``torch.cuda.get_device_name()``."""
+    label: str
+    tflops: dict[str, float]
+    source: str
+
+
+# First match wins: specific names (PCIe, NVL) come before the family name.
+CUDA_PEAKS: tuple[GpuPeaks, ...] = (
+    GpuPeaks(
+        r"GH200",
+        "GH200",
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        "NVIDIA GH200 Grace Hopper Superchip datasheet (H100 SXM compute)",
+    ),
+    GpuPeaks(
+        r"H100.*PCIe",
+        "H100 PCIe",
+        {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+        "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"H100.*NVL",
+        "H100 NVL",
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"H100",
+        "H100 SXM",
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"H200.*NVL",
+        "H200 NVL",
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"H200",
+        "H200 SXM",
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"A100",
+        "A100",
+        {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe; dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"L40S",
+        "L40S",
+        {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
+        "NVIDIA L40S GPU datasheet (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"\bL40\b",
+        "L40",
+        {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0},
+        "NVIDIA L40 GPU datasheet (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"\bL4\b",
+        "L4",
+        {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+        "NVIDIA L4 Tensor Core GPU datasheet (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"\bA10\b",
+        "A10",
+        {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+        "NVIDIA A10 Tensor Core GPU datasheet (dense = sparse / 2)",
+    ),
+    GpuPeaks(
+        r"V100.*PCIe",
+        "V100 PCIe",
+        {"fp32": 14.0, "fp16": 112.0},
+        "NVIDIA Tesla V100 GPU datasheet, PCIe column (no bf16 or TF32 tensor cores)",
+    ),
+    GpuPeaks(
+        r"V100",
+        "V100 SXM2",
+        {"fp32": 15.7, "fp16": 125.0},
+        "NVIDIA Tesla V100 GPU datasheet, SXM2 column (no bf16 or TF32 tensor cores)",
+    ),
+    GpuPeaks(
+        r"\bT4\b",
+        "T4",
+        {"fp32": 8.1, "fp16": 65.0},
+        "NVIDIA T4 Tensor Core GPU datasheet (fp16 mixed precision; no bf16 or TF32 tensor cores)",
+    ),
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_gpu_peaks(device_name: str) -> GpuPeaks | None:
+    """The table entry for a CUDA device name (as ``torch.cuda.get_device_name`` spells it)."""
+    for entry in CUDA_PEAKS:
+        if re.search(entry.pattern, device_name, flags=re.IGNORECASE):
+            return entry
+    return None
+
+
+def cuda_matmul_dtype(precision: str, float32_matmul_precision: str | None = None) -> str:
+    """The table column a precision runs its matmuls in: fp32 runs on TF32 tensor cores when allowed."""
+    if precision != "fp32":
+        return precision
+    setting = float32_matmul_precision or torch.get_float32_matmul_precision()
+    return "fp32" if setting == "highest" else "tf32"
+
+
+def cuda_peak(device_name: str, precision: str, float32_matmul_precision: str | None = None) -> PeakFlops:
+    """Datasheet peak of a named GPU for ``precision`` (fp32, bf16, fp16); unknown GPUs give a reason."""
+    entry = find_gpu_peaks(device_name)
+    if entry is None:
+        return PeakFlops(None, f"no datasheet peak for {device_name!r}; add it to vitrain.metrics.peak.CUDA_PEAKS")
+    column = cuda_matmul_dtype(precision, float32_matmul_precision)
+    if column not in entry.tflops:
+        return PeakFlops(None, f"{entry.label} has no {column} tensor-core figure ({entry.source})")
+    return PeakFlops(entry.tflops[column], f"{entry.source}: {entry.label} {column} dense")
+
+
+@functools.cache
+def _cpu_matmul_tflops(precision: str, size: int, num_threads: int, seconds: float, trials: int) -> float:
+    """Best-of-``trials`` matmul throughput; ``num_threads`` is part of the cache key only.
+
+    ``F.linear`` is the op the models' matmuls run (autocast casts it); on CPUs without native fp16
+    it takes oneDNN's path while ``torch.mm`` falls back to a kernel about 7x slower.
+    """
+    dtype = _DTYPES[precision]
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(size, size, generator=generator).to(dtype)
+    weight = torch.randn(size, size, generator=generator).to(dtype)
+    started = time.perf_counter()
+    F.linear(inputs, weight)  # warm-up: first-call kernel selection and page faults
+    one_s = time.perf_counter() - started
+    repeats = max(1, round(seconds / trials / max(one_s, 1e-9)))
+    best_s = float("inf")
+    for _ in range(trials):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            F.linear(inputs, weight)
+        best_s = min(best_s, time.perf_counter() - started)
+    return 2 * size**3 * repeats / best_s / 1e12
+
+
+def measure_cpu_peak(precision: str, size: int = 2048, seconds: float = 0.5, trials: int = 3) -> PeakFlops:
+    """Measured CPU matmul peak for ``precision`` (about ``seconds`` of ``size``² matmuls, best of
+    ``trials``), cached per process, dtype, size and thread count."""
+    if precision not in _DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(_DTYPES)}, got {precision!r}")
+    num_threads = torch.get_num_threads()
+    tflops = _cpu_matmul_tflops(precision, size, num_threads, seconds, trials)
+    return PeakFlops(tflops, f"measured: CPU matmul probe {size}x{size} {precision}, {num_threads} thread(s)")
+
+
+def peak_flops(device: str, precision: str) -> PeakFlops:
+    """Peak TFLOP/s of ``device`` (cpu, cuda, cuda:N) for ``precision``: datasheet on CUDA, probe on CPU."""
+    if device.startswith("cuda"):
+        return cuda_peak(torch.cuda.get_device_name(torch.device(device)), precision)
+    return measure_cpu_peak(precision)
+
+
+__all__ = [
+    "CUDA_PEAKS",
+    "GpuPeaks",
+    "PeakFlops",
+    "cuda_matmul_dtype",
+    "cuda_peak",
+    "find_gpu_peaks",
+    "measure_cpu_peak",
+    "peak_flops",
+]

@@ -1,0 +1,233 @@
+"""`vitrain bench`: records, FLOPs and MFU arithmetic, peak FLOPs, the timm reference, bad input.
+
+Nothing here asserts a speed: timings only have to be positive and consistent with each other.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vitrain.bench import BenchSettings, bench_overrides, measure_training_step, time_training_steps, timm_reference
+from vitrain.cli import main, make_plan
+from vitrain.config import Config, ConfigError, build_config
+from vitrain.metrics.peak import CUDA_PEAKS, cuda_peak, measure_cpu_peak
+from vitrain.models import build_model
+from vitrain.models.flops import model_flops
+from vitrain.recipes import get_recipe
+
+RECORD_FIELDS = {
+    "model", "image_size", "batch", "precision", "precision_mode", "compile", "device", "device_name", "threads",
+    "img_s_median", "img_s_min", "img_s_max", "step_ms_median", "flops_per_image_fwd", "train_flops_per_step",
+    "achieved_tflops", "peak_tflops", "peak_source", "mfu", "peak_memory_bytes", "torch", "git_revision",
+    "warmup_s", "compile_s",
+}  # fmt: skip
+TINY = ["--image-size", "14", "--batch", "4", "--precision", "fp32", "--steps", "2", "--repeats", "2", "--warmup", "1"]
+
+
+def _plan(model: str, image_size: int, batch: int, *overrides: str, recipe: str | None = None, **settings):
+    bench = BenchSettings(**{"steps": 1, "warmup": 1, "repeats": 1, **settings})
+    base = get_recipe(recipe) if recipe else Config()
+    flags = bench_overrides(model, image_size, batch, "fp32", None, bench)
+    return make_plan(build_config(base, [], flags + list(overrides))), bench
+
+
+def _check_record(record: dict, batch: int) -> None:
+    assert not RECORD_FIELDS - record.keys()
+    assert 0 < record["img_s_min"] <= record["img_s_median"] <= record["img_s_max"]
+    assert record["step_ms_median"] > 0
+    assert record["train_flops_per_step"] == 3 * record["flops_per_image_fwd"] * batch
+    expected_tflops = record["train_flops_per_step"] / batch * record["img_s_median"] / 1e12
+    assert record["achieved_tflops"] == pytest.approx(expected_tflops)
+    assert record["mfu"] == pytest.approx(record["achieved_tflops"] / record["peak_tflops"])
+    if record["peak_memory_bytes"] is None:
+        assert record["peak_memory_reason"]
+    else:
+        assert record["peak_memory_bytes"] > 0
+
+
+def test_bench_writes_a_json_record_with_flops_mfu_and_memory(tmp_path, capsys):
+    path = tmp_path / "out" / "bench.json"
+    argv = ["bench", "--model", "vit_tiny6_patch7", "--set", "model.head=gap", *TINY, "--json", str(path)]
+    assert main(argv) == 0
+    record = json.loads(path.read_text())
+    _check_record(record, batch=4)
+    assert (record["model"], record["image_size"], record["batch"]) == ("vit_tiny6_patch7", 14, 4)
+    assert (record["precision"], record["precision_mode"], record["compile"], record["device"]) == (
+        "fp32", "autocast", False, "cpu"
+    )  # fmt: skip
+    gap = build_model("vit_tiny6_patch7", device="meta", img_size=14, head="gap", num_classes=10)
+    cls = build_model("vit_tiny6_patch7", device="meta", img_size=14, head="cls", num_classes=10)
+    assert record["flops_per_image_fwd"] == model_flops(gap, 14) != model_flops(cls, 14)  # --set reached the model
+    assert record["peak_source"].startswith("measured: CPU matmul probe 2048x2048 fp32")
+    assert 0 < record["mfu"] < 1
+    assert record["threads"] == torch.get_num_threads() and record["torch"] == torch.__version__
+    assert record["compile_s"] is None and record["final_loss"] > 0
+    printed = capsys.readouterr().out
+    assert "img/s median" in printed and "vit_tiny6_patch7" in printed and "MFU" in printed
+
+
+def test_compare_timm_times_both_with_the_same_harness(tmp_path, capsys):
+    pytest.importorskip("timm")
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", "vit_tiny_patch16", "--image-size", "32", "--batch", "2", "--precision", "fp32"]
+    argv += ["--steps", "1", "--repeats", "2", "--warmup", "1", "--compare-timm", "--json", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    ours, theirs = result, result["timm"]
+    _check_record(ours, batch=2)
+    _check_record(theirs, batch=2)
+    assert (ours["implementation"], theirs["implementation"]) == ("vitrain", "timm")
+    assert theirs["model"] == theirs["timm_reference"] == "vit_tiny_patch16_224"
+    assert theirs["num_params"] == ours["num_params"]  # the same architecture
+    assert theirs["flops_per_image_fwd"] == ours["flops_per_image_fwd"]
+    assert result["ours_over_timm"] == pytest.approx(ours["img_s_median"] / theirs["img_s_median"])
+    printed = capsys.readouterr().out
+    assert "vit_tiny_patch16_224" in printed and f"vitrain / timm img/s: {result['ours_over_timm']:.3f}" in printed
+
+
+def test_timm_reference_maps_locality_and_small_vits_to_plain_timm_vits():
+    timm = pytest.importorskip("timm")
+    plan, _ = _plan("locality_vit_small_patch16", 32, 2)
+    reference = timm_reference(plan)
+    assert reference.description == "vit_small_patch16_224 (no locality FFN in timm)"
+    ours = build_model("locality_vit_small_patch16", device="meta", img_size=32, num_classes=10)
+    assert reference.flops_per_image < model_flops(ours, 32)  # without the depthwise conv
+
+    plan, _ = _plan("locality_vit_tiny6_patch7", 28, 2, "model.head=gap")
+    reference = timm_reference(plan)
+    assert "depth=6" in reference.description and "patch_size=7" in reference.description
+    assert "no locality FFN in timm" in reference.description
+    with torch.device("meta"):
+        theirs = timm.create_model(reference.architecture, pretrained=False, **reference.kwargs)
+    plain = build_model("vit_tiny6_patch7", device="meta", img_size=28, head="gap", num_classes=10)
+    theirs_shapes = {key: tuple(value.shape) for key, value in theirs.state_dict().items()}
+    assert theirs_shapes == {key: tuple(value.shape) for key, value in plain.state_dict().items()}
+    assert reference.flops_per_image == model_flops(plain, 28)
+
+    plan, _ = _plan("vit_tiny_patch16", 32, 2, "model.mlp_ratio=2", "model.head=gap")
+    reference = timm_reference(plan)
+    assert reference.description == "vit_tiny_patch16_224 (with mlp_ratio=2.0)"
+    assert reference.kwargs["mlp_ratio"] == 2.0 and reference.kwargs["global_pool"] == "avg"
+
+
+def test_recipe_settings_apply_and_its_data_is_replaced_by_synthetic():
+    plan, settings = _plan("locality_vit_tiny6_patch7", 28, 8, recipe="fmnist", warmup=2, steps=3, repeats=4)
+    assert (plan.config.model.head, plan.config.model.attn_impl) == ("gap", "matmul")  # from the recipe
+    assert plan.config.data.name == "synthetic" and plan.config.data.root is None
+    assert (plan.global_batch, plan.total_steps) == (8, settings.total_steps) == (8, 14)
+
+
+def test_compile_targets_the_module_that_runs_forward(monkeypatch):
+    compiled = []
+    original = torch.nn.Module.compile
+
+    def spy(module, *args, **kwargs):
+        compiled.append(module)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    plan, settings = _plan(
+        "vit_tiny6_patch7", 14, 2, "precision=bf16", "precision_mode=o2", compile=True, compile_backend="eager"
+    )
+    record = measure_training_step(plan, settings)
+    assert len(compiled) == 1 and next(compiled[0].parameters()).dtype == torch.bfloat16  # O2's compute copy
+    assert record["compile"] is True and record["compile_s"] > 0 and record["precision_mode"] == "o2"
+    assert record["peak_source"].startswith("measured: CPU matmul probe 2048x2048 bf16")
+
+
+def test_mfu_above_one_is_refused_with_a_reason(monkeypatch):
+    from vitrain.bench import throughput
+    from vitrain.bench.memory import PeakMemory
+    from vitrain.metrics.peak import PeakFlops
+
+    plan, settings = _plan("vit_tiny6_patch7", 14, 4)
+    times = throughput.StepTimes(warmup_s=1.0, first_step_s=0.5, window_s=(0.1,), final_loss=2.0)
+    memory = PeakMemory("cpu")
+    monkeypatch.setattr(throughput, "peak_flops", lambda device, precision: PeakFlops(1e-9, "a tiny peak"))
+    record = throughput.throughput_record(plan, times, settings, 1_000_000, memory)
+    assert record["img_s_median"] == pytest.approx(40.0) and record["step_ms_median"] == pytest.approx(100.0)
+    assert record["mfu"] is None and "exceeds the peak" in record["mfu_reason"]
+    monkeypatch.setattr(throughput, "peak_flops", lambda device, precision: PeakFlops(None, "no figure"))
+    record = throughput.throughput_record(plan, times, settings, 1_000_000, memory)
+    assert record["mfu"] is None and record["mfu_reason"] == "no figure"
+
+
+def test_timing_harness_runs_warmup_then_windows():
+    calls = []
+
+    def step(images, labels):
+        calls.append(len(labels))
+        return torch.tensor(1.5), None
+
+    settings = BenchSettings(steps=3, warmup=2, repeats=4)
+    times = time_training_steps(step, torch.zeros(5, 1), torch.zeros(5), "cpu", settings)
+    assert len(calls) == settings.total_steps == 14
+    assert len(times.window_s) == 4 and all(seconds > 0 for seconds in times.window_s)
+    assert times.first_step_s is not None and times.first_step_s <= times.warmup_s
+    assert times.final_loss == 1.5
+
+
+def test_cpu_peak_probe_is_positive_and_cached():
+    from vitrain.metrics.peak import _cpu_matmul_tflops
+
+    _cpu_matmul_tflops.cache_clear()
+    first = measure_cpu_peak("fp32", size=128, seconds=0.02)
+    second = measure_cpu_peak("fp32", size=128, seconds=0.02)
+    assert first.tflops > 0 and second == first
+    assert _cpu_matmul_tflops.cache_info().misses == 1 and _cpu_matmul_tflops.cache_info().hits == 1
+    assert first.source.startswith("measured: CPU matmul probe 128x128 fp32")
+    with pytest.raises(ValueError, match="precision"):
+        measure_cpu_peak("fp8")
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "matmul_precision", "tflops", "label"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", "highest", 989.4, "H100 SXM"),
+        ("NVIDIA H100 PCIe", "bf16", "highest", 756.0, "H100 PCIe"),
+        ("NVIDIA H100 NVL", "fp16", "highest", 835.5, "H100 NVL"),
+        ("NVIDIA H200", "bf16", "highest", 989.4, "H200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", "fp16", "highest", 312.0, "A100"),
+        ("NVIDIA A100-PCIE-40GB", "fp32", "highest", 19.5, "A100"),
+        ("NVIDIA A100-SXM4-40GB", "fp32", "high", 156.0, "A100 tf32"),
+        ("NVIDIA A10", "bf16", "highest", 125.0, "A10 bf16"),
+        ("NVIDIA L4", "bf16", "highest", 121.0, "L4 bf16"),
+        ("NVIDIA L40S", "bf16", "highest", 362.05, "L40S bf16"),
+        ("Tesla V100-SXM2-16GB", "fp16", "highest", 125.0, "V100 SXM2"),
+    ],
+)
+def test_cuda_peak_table_lookup(name, precision, matmul_precision, tflops, label):
+    peak = cuda_peak(name, precision, float32_matmul_precision=matmul_precision)
+    assert peak.tflops == tflops and label in peak.source and "datasheet" in peak.source
+
+
+def test_cuda_peak_without_a_figure_gives_a_reason():
+    unknown = cuda_peak("NVIDIA GeForce GTX 1080", "bf16")
+    assert unknown.tflops is None and "CUDA_PEAKS" in unknown.source
+    no_bf16 = cuda_peak("Tesla V100-PCIE-16GB", "bf16")
+    assert no_bf16.tflops is None and "V100 PCIe has no bf16" in no_bf16.source
+    assert all(entry.source and all(value > 0 for value in entry.tflops.values()) for entry in CUDA_PEAKS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "vit_tiny_patchX", "--image-size", "32"], "unknown model 'vit_tiny_patchX'"),
+        (["--model", "vit_tiny_patch16", "--image-size", "30"], "not divisible by the patch size 16"),
+        (["--model", "vit_tiny_patch16", "--image-size", "32", "--steps", "0"], "--steps must be >= 1"),
+        (["--model", "vit_tiny_patch16", "--image-size", "32", "--compile", "--warmup", "0"], "--warmup must be >= 1"),
+        (["--model", "localvit_tiny_patch16", "--image-size", "32", "--compare-timm"], "has no timm equivalent"),
+        (["--model", "volo_d1", "--image-size", "32", "--recipe", "fmnist"], "set model.head=null"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(argv, needle, capsys):
+    assert main(["bench", *argv, "--batch", "2", "--precision", "fp32"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bench_settings_reject_nonpositive_counts():
+    with pytest.raises(ConfigError, match="--repeats"):
+        BenchSettings(repeats=0)
