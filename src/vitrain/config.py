@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -131,6 +131,8 @@ class TrainConfig(Section):
     """Evaluate every N epochs (0: only at the end)."""
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     """Label smoothing of the cross-entropy loss."""
+    activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
+    """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
     seed: int = 0
     """Seed of model init, data order and augmentation."""
     device: str = "auto"
@@ -174,7 +176,8 @@ class Config(BaseModel):
 
 def _format_validation_error(error: ValidationError, prefix: str = "") -> str:
     first = error.errors()[0]
-    path = [str(part) for part in first["loc"] if not isinstance(part, int)]
+    # drop list indices and union-member tags ("constrained-int", "literal[...]") from the path
+    path = [part for part in first["loc"] if isinstance(part, str) and part.isidentifier()]
     key = ".".join(([prefix] if prefix else []) + path) or "<config>"
     if first["type"] == "extra_forbidden":
         return _unknown_key_message(key)

@@ -24,6 +24,7 @@ from vitrain.config import MODEL_OPTIONS, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.metrics import JsonlWriter, run_environment
 from vitrain.models import build_model, num_parameters
+from vitrain.parallel import apply_activation_checkpointing
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
 from vitrain.train.schedule import build_scheduler
@@ -106,7 +107,7 @@ def build_training_step(plan: Plan) -> TrainStep:
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
     optimizer = build_optimizer(model, plan)
-    return TrainStep(
+    step = TrainStep(
         model,
         optimizer,
         build_scheduler(optimizer, plan),
@@ -117,6 +118,11 @@ def build_training_step(plan: Plan) -> TrainStep:
         plan.config.optim.grad_clip,
         plan.precision_mode,
     )
+    if plan.config.train.activation_checkpointing:  # on the module that runs (O2: the low-precision copy)
+        apply_activation_checkpointing(
+            step.low_precision.compute if step.low_precision else model, plan.config.train.activation_checkpointing
+        )
+    return step
 
 
 def build_run(plan: Plan) -> Run:
