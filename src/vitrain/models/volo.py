@@ -246,54 +246,16 @@ class ClassAttention(nn.Module):
         return self.proj(cls.transpose(1, 2).reshape(batch, 1, dim))
 
 
-class Outlooker(nn.Module):
-    """x + OutlookAttention(LN(x)), then x + FFN(LN(x)), on a (B, H, W, C) grid."""
+class GridBlock(nn.Module):
+    """Pre-norm block on a (B, H, W, C) grid: x + attention(LN(x)), then x + FFN(LN(x)). The
+    attention module is the variant: outlook attention (an Outlooker) or self-attention (a
+    transformer block)."""
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_hidden: int,
-        kernel_size: int = 3,
-        stride: int = 2,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, dim: int, attn: nn.Module, mlp_hidden: int, drop_path: float = 0.0, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.norm1 = nn.LayerNorm(dim, **factory)
-        self.attn = OutlookAttention(dim, num_heads, kernel_size, stride, qkv_bias, attn_drop, **factory)
-        self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, **factory)
-        self.mlp = Mlp(dim, mlp_hidden, **factory)
-        self.drop_path2 = DropPath(drop_path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x), _grid(x)))
-
-
-class Transformer(nn.Module):
-    """Pre-norm transformer block on a (B, H, W, C) grid."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_hidden: int,
-        qkv_bias: bool = False,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(dim, **factory)
-        self.attn = SelfAttention(dim, num_heads, qkv_bias, attn_drop, **factory)
+        self.attn = attn
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, **factory)
         self.mlp = Mlp(dim, mlp_hidden, **factory)
@@ -337,19 +299,14 @@ def _grid(x: torch.Tensor) -> Grid:
 def _build_block(args: VOLOArgs, stage: int, block_index: int, factory: dict) -> nn.Module:
     dim, heads = args.embed_dims[stage], args.num_heads[stage]
     mlp_hidden = int(dim * args.mlp_ratio)
-    if args.outlook_attention[stage]:
-        return Outlooker(
-            dim,
-            heads,
-            mlp_hidden,
-            kernel_size=args.outlook_kernel_size,
-            stride=args.outlook_stride,
-            qkv_bias=args.qkv_bias,
-            attn_drop=args.attn_drop_rate,
-            **factory,
+    if args.outlook_attention[stage]:  # no stochastic depth in outlookers, as in the official code
+        attn = OutlookAttention(
+            dim, heads, args.outlook_kernel_size, args.outlook_stride, args.qkv_bias, args.attn_drop_rate, **factory
         )
+        return GridBlock(dim, attn, mlp_hidden, **factory)
     drop_path = args.drop_path_rate * block_index / max(sum(args.layers) - 1, 1)
-    return Transformer(dim, heads, mlp_hidden, args.qkv_bias, args.attn_drop_rate, drop_path, **factory)
+    attn = SelfAttention(dim, heads, args.qkv_bias, args.attn_drop_rate, **factory)
+    return GridBlock(dim, attn, mlp_hidden, drop_path, **factory)
 
 
 class VOLO(nn.Module):
