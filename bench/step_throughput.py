@@ -35,11 +35,9 @@ def measure(name: str, overrides: dict, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = build_model(name, img_size=args.image_size, in_chans=args.in_chans, num_classes=10, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     step = TrainStep(
         model,
         optimizer,
-        scheduler,
         build_grad_scaler(args.precision, "cpu"),
         args.precision,
         "cpu",

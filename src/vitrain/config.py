@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -120,11 +122,16 @@ class ScheduleConfig(Section):
 
 class TrainConfig(Section):
     batch_size: int = 256
-    """Global batch size (images per optimizer step)."""
+    """Global batch size (images per optimizer step); the final curriculum stage's."""
     epochs: float = Field(10.0, gt=0.0)
-    """Training length in epochs (fractions allowed)."""
+    """Training length in epochs (fractions allowed), unless train.steps, train.samples or train.budget is set."""
     steps: int | None = Field(None, ge=1)
     """Training length in optimizer steps; replaces train.epochs when set."""
+    samples: int | None = Field(None, ge=1)
+    """Training length in images; replaces train.epochs when set."""
+    budget: str | None = None
+    """Training length in wall-clock training seconds (evaluation and checkpoints excluded), e.g. 600s, 10m,
+    24h, 1h30m; the LR schedule and curriculum are planned against the fraction of it used."""
     eval_batch_size: int | None = None
     """Evaluation batch size; twice train.batch_size when unset."""
     eval_every_epochs: int = Field(1, ge=0)
@@ -145,6 +152,35 @@ class TrainConfig(Section):
     """Live progress bar (true/false); auto shows it only on a terminal."""
 
 
+class CurriculumStage(Section):
+    until: float = Field(gt=0.0, le=1.0)
+    """The stage lasts until this fraction of the run (in the run's duration unit) is done."""
+    image_size: int = Field(ge=1)
+    """Image side during the stage (a multiple of the patch size)."""
+    batch_size: int | None = Field(None, ge=1)
+    """Batch size during the stage; from curriculum.batch_rule when unset."""
+    lr_scale: float = Field(1.0, gt=0.0)
+    """Multiplier of the scheduled LR during the stage."""
+
+
+class CurriculumConfig(Section):
+    """Image-size curriculum: early stages at lower resolution (Borealis, seed 004). The run ends at
+    data.image_size with train.batch_size; evaluation is always at data.image_size."""
+
+    stages: list[CurriculumStage] = []
+    """Explicit stages before the final one, in order of `until`."""
+    start_size: int | None = Field(None, ge=1)
+    """Linear rule: start at this size and grow by curriculum.grow_by every curriculum.grow_every_epochs
+    epochs up to data.image_size (the paper's best: 32, +32, every 5 epochs, to 224)."""
+    grow_by: int = Field(32, ge=1)
+    """Linear rule: pixels added at each growth."""
+    grow_every_epochs: float = Field(5.0, gt=0.0)
+    """Linear rule: epochs per size."""
+    batch_rule: Literal["fixed", "constant_tokens"] = "fixed"
+    """Batch size of stages that do not set one: fixed (train.batch_size) or constant_tokens (train.batch_size
+    times the final stage's tokens per image over the stage's, so each step carries as many tokens)."""
+
+
 class CheckpointConfig(Section):
     every_epochs: int = Field(1, ge=0)
     """Save every N epochs (0: only at the end)."""
@@ -158,7 +194,9 @@ class Config(BaseModel):
     recipe: str = "custom"
     """Name of the recipe this config came from."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where supported."""
+    """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where the device
+    computes it natively (AVX512-bf16/AMX CPUs, CUDA compute capability 8+), else fp32. bf16 asked for on
+    a CPU without native support runs emulated (correct, slower than fp32)."""
     precision_mode: Literal["autocast", "o2"] = "autocast"
     """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
     weights are updated (no effect at fp32)."""
@@ -167,6 +205,7 @@ class Config(BaseModel):
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
 
@@ -282,6 +321,24 @@ class DatasetInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+    """A stretch of the run at one image size and batch size (the curriculum is a tuple of them)."""
+
+    image_size: int
+    batch_size: int
+    lr_scale: float = 1.0
+    until: float | None = None
+    """Ends when this fraction of the run is done (None: no fraction limit)."""
+    until_epoch: float | None = None
+    """Ends at this epoch (None: no epoch limit)."""
+
+    def covers(self, progress: float, epoch: float) -> bool:
+        if self.until is not None and progress >= self.until:
+            return False
+        return self.until_epoch is None or epoch < self.until_epoch
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved run: the config plus every derived value. Immutable."""
 
@@ -301,14 +358,39 @@ class Plan:
     eval_batch: int
     lr: float
     steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-    eval_every_steps: int
-    checkpoint_every_steps: int
+    """Optimizer steps per epoch at train.batch_size (the final stage's batch)."""
+    duration_unit: Literal["steps", "samples", "seconds"]
+    """What measures the run's length: optimizer steps, images, or training seconds (train.budget)."""
+    run_length: float
+    """Length of the run in its duration unit."""
+    warmup: float
+    """Warmup length: in steps when the run is measured in steps, otherwise in images."""
+    stages: tuple[Stage, ...]
+    """Curriculum stages in order; the last is the final one (data.image_size, train.batch_size)."""
+    eval_every_epochs: int
+    checkpoint_every_epochs: int
 
     @property
-    def epochs(self) -> float:
-        return self.total_steps / self.steps_per_epoch
+    def total_steps(self) -> int | None:
+        """Optimizer steps of the whole run, when known before it runs."""
+        if self.duration_unit == "steps":
+            return int(self.run_length)
+        if self.duration_unit == "samples" and len({stage.batch_size for stage in self.stages}) == 1:
+            return math.ceil(self.run_length / self.global_batch)
+        return None
+
+    @property
+    def epochs(self) -> float | None:
+        """Epochs of the whole run, when known before it runs."""
+        if self.duration_unit == "seconds":
+            return None
+        if self.duration_unit == "steps":
+            return self.run_length / self.steps_per_epoch
+        return self.run_length / (self.steps_per_epoch * self.global_batch)
+
+    def stage_at(self, progress: float, epoch: float) -> Stage:
+        """The stage for a run ``progress`` (fraction done) and ``epoch`` (fractional)."""
+        return next((stage for stage in self.stages if stage.covers(progress, epoch)), self.stages[-1])
 
 
 def _require(condition: bool, message: str) -> None:
@@ -380,11 +462,11 @@ def _resolve_device(requested: str, cuda_available: bool) -> str:
     return requested
 
 
-def _resolve_precision(requested: str, bf16_supported: bool) -> str:
+def _resolve_precision(requested: str, hardware: Hardware) -> str:
     if requested == "auto":
-        return "bf16" if bf16_supported else "fp32"
+        return "bf16" if hardware.bf16_supported else "fp32"
     _require(
-        requested != "bf16" or bf16_supported,
+        requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
         "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
     )
     return requested
@@ -396,6 +478,9 @@ class Hardware:
 
     cuda_available: bool
     bf16_supported: bool
+    """The device computes bf16 natively (CPU: AVX512-bf16 or AMX; CUDA: compute capability 8+)."""
+    bf16_emulated: bool = False
+    """bf16 still runs, converted in software (any CPU): allowed when asked for, never chosen by auto."""
 
     @classmethod
     def detect(cls, device: str = "auto") -> Hardware:
@@ -404,10 +489,105 @@ class Hardware:
         cuda = torch.cuda.is_available()
         on_cuda = cuda and device != "cpu"
         if on_cuda:
-            bf16 = torch.cuda.is_bf16_supported()
-        else:
-            bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return cls(cuda_available=cuda, bf16_supported=bf16)
+            return cls(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported())
+        native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cls(cuda_available=cuda, bf16_supported=native, bf16_emulated=True)
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_SECONDS_PER = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """``"90s"``, ``"10m"``, ``"24h"``, ``"1h30m"``, ``"2d"`` -> seconds; ValueError otherwise."""
+    compact = text.replace(" ", "").lower()
+    parts = _DURATION_PART.findall(compact)
+    if not parts or "".join(number + unit for number, unit in parts) != compact:
+        raise ValueError(text)
+    return sum(float(number) * _SECONDS_PER[unit] for number, unit in parts)
+
+
+def _resolve_duration(config: Config, steps_per_epoch: int) -> tuple[str, float, float]:
+    """(unit, length, warmup) of the run. Epochs become images so curriculum batch sizes may differ;
+    the warmup is in steps for step-measured runs and in images otherwise."""
+    train, batch = config.train, config.train.batch_size
+    given = [key for key in ("steps", "samples", "budget") if getattr(train, key) is not None]
+    if len(given) > 1:
+        raise ConfigError(
+            f"train.{given[0]} and train.{given[1]} both set the run's length; keep one (set the other to null)"
+        )
+    warmup_samples = round(config.schedule.warmup_epochs * steps_per_epoch) * batch
+    if train.steps is not None:
+        return "steps", float(train.steps), float(min(train.steps, round(warmup_samples / batch)))
+    if train.budget is not None:
+        try:
+            budget_s = parse_duration_s(train.budget)
+        except ValueError:
+            raise ConfigError(
+                f"train.budget={train.budget!r} is not a duration; write e.g. 90s, 10m, 24h or 1h30m"
+            ) from None
+        _require(budget_s > 0, f"train.budget={train.budget!r} must be longer than zero; e.g. train.budget=10m")
+        return "seconds", budget_s, float(warmup_samples)
+    if train.samples is not None:
+        return "samples", float(train.samples), float(min(train.samples, warmup_samples))
+    total = max(1, round(train.epochs * steps_per_epoch)) * batch
+    return "samples", float(total), float(min(total, warmup_samples))
+
+
+def _stage_batch(config: Config, image_size: int, patch: int, batch: int | None) -> int:
+    if batch is not None:
+        return batch
+    if config.curriculum.batch_rule == "fixed":
+        return config.train.batch_size
+    tokens = lambda size: (size // patch) ** 2  # noqa: E731
+    return max(1, config.train.batch_size * tokens(config.data.image_size) // tokens(image_size))
+
+
+def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, ...]:
+    """The curriculum as stages (explicit list or linear rule), ending with the final stage."""
+    curriculum, final_size = config.curriculum, config.data.image_size
+    _require(
+        not (curriculum.stages and curriculum.start_size),
+        "curriculum.stages and curriculum.start_size both define the curriculum; keep one",
+    )
+    stages: list[Stage] = []
+    if curriculum.start_size is not None:
+        _require(
+            curriculum.start_size < final_size,
+            f"curriculum.start_size={curriculum.start_size} must be below data.image_size={final_size}",
+        )
+        sizes = range(curriculum.start_size, final_size, curriculum.grow_by)
+        for index, size in enumerate(sizes):
+            _require(
+                size % patch == 0,
+                f"curriculum: stage size {size} (start_size + k * grow_by) is not a multiple of the patch size {patch}; "
+                f"make curriculum.start_size and curriculum.grow_by multiples of {patch}",
+            )
+            batch = _stage_batch(config, size, patch, None)
+            stages.append(Stage(size, batch, until_epoch=(index + 1) * curriculum.grow_every_epochs))
+    previous_until = 0.0
+    for index, stage in enumerate(curriculum.stages):
+        key = f"curriculum.stages[{index}]"
+        _require(
+            stage.until > previous_until,
+            f"{key}.until={stage.until} must be greater than the previous stage's ({previous_until}); "
+            "list stages in order",
+        )
+        _require(
+            stage.image_size % patch == 0,
+            f"{key}.image_size={stage.image_size} is not a multiple of the patch size {patch}; "
+            f"use a multiple of {patch}",
+        )
+        previous_until = stage.until
+        batch = _stage_batch(config, stage.image_size, patch, stage.batch_size)
+        stages.append(Stage(stage.image_size, batch, stage.lr_scale, until=stage.until))
+    for index, stage in enumerate(stages):
+        _require(
+            stage.batch_size <= num_train,
+            f"curriculum stage {index} batch size {stage.batch_size} exceeds the {num_train} training samples; "
+            "set its batch_size or lower train.batch_size",
+        )
+    return (*stages, Stage(final_size, config.train.batch_size))
 
 
 def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now") -> Plan:
@@ -415,7 +595,7 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     patch = _resolve_patch_size(config)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
     device = _resolve_device(config.train.device, hardware.cuda_available)
-    precision = _resolve_precision(config.precision, hardware.bf16_supported)
+    precision = _resolve_precision(config.precision, hardware)
     for key in ("mean", "std"):
         value = getattr(config.data, key)
         _require(
@@ -428,13 +608,7 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         "data.root is not used by data.name=synthetic; remove it",
     )
     batch = config.train.batch_size
-    if config.train.steps is not None:
-        total_steps = config.train.steps
-    else:
-        total_steps = max(1, round(config.train.epochs * steps_per_epoch))
-    warmup_steps = min(total_steps, round(config.schedule.warmup_epochs * steps_per_epoch))
-    eval_every = config.train.eval_every_epochs * steps_per_epoch
-    checkpoint_every = config.checkpoint.every_epochs * steps_per_epoch
+    duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
     return Plan(
         config=config,
@@ -453,16 +627,20 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         eval_batch=config.train.eval_batch_size or 2 * batch,
         lr=config.optim.lr * batch / config.optim.reference_batch,
         steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps,
-        eval_every_steps=eval_every,
-        checkpoint_every_steps=checkpoint_every,
+        duration_unit=duration_unit,
+        run_length=run_length,
+        warmup=warmup,
+        stages=_resolve_stages(config, patch, data.num_train),
+        eval_every_epochs=config.train.eval_every_epochs,
+        checkpoint_every_epochs=config.checkpoint.every_epochs,
     )
 
 
 __all__ = [
     "CheckpointConfig",
     "Config",
+    "CurriculumConfig",
+    "CurriculumStage",
     "ConfigError",
     "DataConfig",
     "DatasetInfo",
@@ -471,9 +649,11 @@ __all__ = [
     "OptimConfig",
     "Plan",
     "ScheduleConfig",
+    "Stage",
     "TrainConfig",
     "build_config",
     "config_to_yaml",
+    "parse_duration_s",
     "parse_override",
     "resolve",
 ]

@@ -139,6 +139,20 @@ def test_other_resolution_resamples_position_embeddings():
         model(torch.randn(1, 3, 40, 40))
 
 
+def test_position_embedding_resampling_is_identity_at_the_same_grid_and_smooth_across_grids():
+    """The curriculum resamples every stage from the same table: same grid = same tensor, and a smooth
+    table (a plane over the grid) stays that plane at other grid sizes, up to the border."""
+    table = torch.randn(1, 1 + 16, 8)
+    assert resample_pos_embed(table, (4, 4), num_prefix_tokens=1) is table
+    rows, cols = torch.meshgrid(torch.linspace(-1, 1, 6), torch.linspace(-1, 1, 6), indexing="ij")
+    plane = (0.3 * rows + 0.7 * cols).reshape(1, 36, 1).expand(1, 36, 4)
+    there = resample_pos_embed(plane, (9, 9), num_prefix_tokens=0)
+    back = resample_pos_embed(there, (6, 6), num_prefix_tokens=0)
+    inner = back.reshape(6, 6, 4)[1:-1, 1:-1]
+    assert torch.allclose(inner, plane.reshape(6, 6, 4)[1:-1, 1:-1], atol=0.05)
+    assert there.min() >= plane.min() - 0.1 and there.max() <= plane.max() + 0.1
+
+
 timm = pytest.importorskip("timm", reason="timm is a test dependency for parity checks ([dev] extra)")
 
 

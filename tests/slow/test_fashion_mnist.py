@@ -8,6 +8,7 @@ from tests.conftest import make_config
 from vitrain.cli import make_plan
 from vitrain.config import ConfigError, DataConfig
 from vitrain.data.sources import FASHION_MNIST_ROOT, fashion_mnist_root
+from vitrain.metrics import read_jsonl
 from vitrain.recipes import get_recipe
 from vitrain.train import train
 
@@ -33,3 +34,26 @@ def test_default_recipe_one_epoch_reaches_stated_accuracy(tmp_path):
     config = make_config("train.epochs=1", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
     summary = train(make_plan(config))
     assert summary["final_top1"] >= 82.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not HAVE_DATA, reason=f"Fashion-MNIST not installed at {FASHION_MNIST_ROOT} (apt-get install dataset-fashion-mnist)"
+)
+def test_curriculum_run_changes_size_and_learns(tmp_path):
+    """A 21 px stage (9 tokens, batch 455 for constant tokens) for the first half, then 28 px: both
+    stages run and the 1-epoch result (evaluated at 28 px) still reaches 80 % test top-1."""
+    config = make_config(
+        "train.epochs=1",
+        "train.progress=off",
+        f"train.out_dir={tmp_path}",
+        "curriculum.stages=[{until: 0.5, image_size: 21}]",
+        "curriculum.batch_rule=constant_tokens",
+        base=get_recipe("fmnist"),
+    )
+    plan = make_plan(config)
+    summary = train(plan)
+    records = read_jsonl(plan.out_dir / "metrics.jsonl")
+    stages = [(record["image_size"], record["batch_size"]) for record in records if record["event"] == "stage"]
+    assert stages == [(21, 455), (28, 256)]
+    assert summary["final_top1"] >= 80.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -14,6 +16,7 @@ from vitrain.config import (
     Hardware,
     build_config,
     config_to_yaml,
+    parse_duration_s,
     parse_override,
     resolve,
 )
@@ -30,8 +33,9 @@ def test_resolve_scales_lr_and_derives_steps():
     assert plan.lr == pytest.approx(0.008 * 256 / 1024)
     assert plan.steps_per_epoch == 60000 // 256
     assert plan.total_steps == 3 * 234
-    assert plan.warmup_steps == 117
-    assert plan.eval_every_steps == plan.checkpoint_every_steps == 234
+    assert (plan.duration_unit, plan.run_length, plan.warmup) == ("samples", 3 * 234 * 256, 117 * 256)
+    assert plan.epochs == 3 and plan.eval_every_epochs == plan.checkpoint_every_epochs == 1
+    assert [(stage.image_size, stage.batch_size) for stage in plan.stages] == [(28, 256)]
     assert plan.eval_batch == 512
 
 
@@ -46,7 +50,7 @@ def test_reference_batch_and_steps_override():
     plan = resolve(config, DATA, CPU_BF16)
     assert plan.lr == pytest.approx(0.001)
     assert plan.total_steps == 10
-    assert plan.checkpoint_every_steps == 0
+    assert plan.checkpoint_every_epochs == 0
 
 
 def test_precision_auto_follows_hardware():
@@ -54,6 +58,10 @@ def test_precision_auto_follows_hardware():
     assert resolve(make_config("precision=auto"), DATA, CPU_ONLY).precision == "fp32"
     with pytest.raises(ConfigError, match="precision=bf16"):
         resolve(make_config("precision=bf16"), DATA, CPU_ONLY)
+    # a CPU without native bf16 runs it emulated when asked, but auto keeps fp32 there
+    emulating = Hardware(cuda_available=False, bf16_supported=False, bf16_emulated=True)
+    assert resolve(make_config("precision=bf16"), DATA, emulating).precision == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, emulating).precision == "fp32"
 
 
 def test_o2_applies_only_to_low_precision():
@@ -101,11 +109,78 @@ def test_bad_values_name_the_key(overrides, key, fix):
         (["train.batch_size=100000"], "train.batch_size"),
         (["model.name=vit_enormous"], "model.name"),
         (["data.mean=[0.1, 0.2]"], "data.mean"),
+        (["train.budget=10 minutes"], "train.budget"),
+        (["train.budget=0s"], "train.budget"),
+        (["train.budget=10m", "train.steps=5"], "train.steps"),
+        (["curriculum.stages=[{until: 0.5, image_size: 15}]"], r"curriculum.stages[0].image_size"),
+        (["curriculum.stages=[{until: 0.5, image_size: 14}, {until: 0.4, image_size: 21}]"], "stages[1].until"),
+        (["curriculum.start_size=10", "curriculum.grow_by=7"], "curriculum.start_size"),
+        (["curriculum.start_size=28"], "curriculum.start_size"),
+        (["curriculum.start_size=14", "curriculum.stages=[{until: 0.5, image_size: 14}]"], "curriculum.stages"),
     ],
 )
 def test_resolve_rejects_with_key(overrides, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(key)):
         resolve(make_config(*overrides), DATA, CPU_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("10m", 600), ("24h", 86400), ("1h30m", 5400), ("1.5h", 5400), ("2d", 172800)]
+)
+def test_budget_durations(text, seconds):
+    assert parse_duration_s(text) == seconds
+    plan = resolve(make_config(f"train.budget={text}", "schedule.warmup_epochs=0.5"), DATA, CPU_ONLY)
+    assert (plan.duration_unit, plan.run_length) == ("seconds", seconds)
+    assert plan.warmup == 117 * 256  # images: the warmup is planned in images, the decay in seconds
+    assert plan.total_steps is None and plan.epochs is None
+
+
+def test_samples_duration():
+    plan = resolve(make_config("train.samples=1000", "train.batch_size=100"), DATA, CPU_ONLY)
+    assert (plan.duration_unit, plan.run_length, plan.total_steps) == ("samples", 1000, 10)
+
+
+def test_linear_curriculum_rule_with_constant_tokens():
+    """The paper's rule at Fashion-MNIST scale: 14 -> 21 -> 28 px (patch 7), one size per 2 epochs."""
+    config = make_config(
+        "curriculum.start_size=14",
+        "curriculum.grow_by=7",
+        "curriculum.grow_every_epochs=2",
+        "curriculum.batch_rule=constant_tokens",
+        "train.batch_size=100",
+    )
+    plan = resolve(config, DATA, CPU_ONLY)
+    sizes = [(stage.image_size, stage.batch_size, stage.until_epoch) for stage in plan.stages]
+    assert sizes == [(14, 400, 2.0), (21, 177, 4.0), (28, 100, None)]  # 16 tokens / 4 and / 9
+    assert [plan.stage_at(0.0, epoch).image_size for epoch in (0.0, 1.99, 2.0, 3.99, 4.0, 30.0)] == [
+        14,
+        14,
+        21,
+        21,
+        28,
+        28,
+    ]
+    assert plan.total_steps is None  # the batch changes: steps are known only as the run goes
+
+
+def test_explicit_curriculum_stages_by_fraction_of_the_run():
+    config = make_config(
+        "curriculum.stages=[{until: 0.25, image_size: 14, batch_size: 512, lr_scale: 2.0}, {until: 0.5, image_size: 21}]"
+    )
+    plan = resolve(config, DATA, CPU_ONLY)
+    assert [(stage.image_size, stage.batch_size, stage.lr_scale) for stage in plan.stages] == [
+        (14, 512, 2.0),
+        (21, 256, 1.0),
+        (28, 256, 1.0),
+    ]
+    assert [plan.stage_at(progress, 0.0).image_size for progress in (0.0, 0.2499, 0.25, 0.4999, 0.5, 1.0)] == [
+        14,
+        14,
+        21,
+        21,
+        28,
+        28,
+    ]
 
 
 def test_yaml_file_then_set_overrides(tmp_path):

@@ -97,7 +97,7 @@ def test_file_loader_resumes_mid_epoch(tiny_imagefolder):
     loader, _ = build_loaders(plan)
     loader.start_epoch(2)
     full = _collect(loader)
-    loader.start_epoch(2, start_batch=2)
+    loader.start_epoch(2, start_sample=2 * 4)
     tail = _collect(loader)
     assert len(tail) == len(full) - 2
     for (a, la), (b, lb) in zip(full[2:], tail, strict=True):
@@ -112,7 +112,7 @@ def test_in_memory_loader_resumes_mid_epoch(tiny_fmnist):
     assert isinstance(loader, InMemoryLoader)
     loader.start_epoch(1)
     full = _collect(loader)
-    loader.start_epoch(1, start_batch=3)
+    loader.start_epoch(1, start_sample=3 * 64)
     tail = _collect(loader)
     for (a, la), (b, lb) in zip(full[3:], tail, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)

@@ -96,9 +96,8 @@ def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         scaler = build_grad_scaler("bf16", "cpu")
-        return model, TrainStep(model, optimizer, scheduler, scaler, "bf16", "cpu", 0.0, 1.0, mode)
+        return model, TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode)
 
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     o1_model, o1_step = step_for("autocast")

@@ -1,9 +1,9 @@
 """Training-step throughput on synthetic data, through the training code path.
 
 The model is built as training builds it (meta device -> materialize -> ``init_weights``), the
-optimizer by ``build_optimizer``, the LR schedule by ``build_scheduler`` and the step is
-:class:`~vitrain.train.step.TrainStep` (forward, loss, backward, grad clipping, optimizer,
-scheduler). The batch is random uint8 images, normalized once on the device before the clock
+optimizer by ``build_optimizer`` and the step is :class:`~vitrain.train.step.TrainStep`
+(forward, loss, backward, grad clipping, optimizer; the LR stays at its peak, as setting it is
+outside the step). The batch is random uint8 images, normalized once on the device before the clock
 starts, with random labels: this measures the step, not the input pipeline.
 
 Timing: ``warmup`` steps (compilation included) are excluded; then ``repeats`` windows of
@@ -71,7 +71,7 @@ def bench_overrides(
 ) -> list[str]:
     """``--set`` style overrides that turn a recipe into a benchmark config: the bench flags, synthetic
     data (the recipe's data path, limits and normalization do not apply), one batch per epoch, and as
-    many scheduler steps as the benchmark runs."""
+    many steps as the benchmark runs."""
     overrides = [
         f"model.name={model}",
         f"data.image_size={image_size}",

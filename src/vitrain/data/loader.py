@@ -1,13 +1,16 @@
 """Resumable, epoch-seeded loaders.
 
-Each loader yields ``(uint8 images (B, C, H, W), int64 labels)`` and is positioned with
-``start_epoch(epoch, start_batch)``. Data order and augmentation are pure functions of
-``(seed, epoch, position)``, so a resumed run sees exactly the batches the uninterrupted run
-would have seen, whatever the worker count or restarts.
+Each loader yields ``(uint8 images (B, C, H, W), int64 labels)``, is shaped with
+``configure(image_size, batch_size)`` (a curriculum stage) and positioned with
+``start_epoch(epoch, start_sample)``. Data order and augmentation are pure functions of
+``(seed, epoch, position)``, so a resumed run sees exactly the images the uninterrupted run
+would have seen, whatever the worker count, restarts or stage changes. An epoch drops the
+remainder that does not fill a training batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,13 +19,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from vitrain.config import Plan
+from vitrain.config import DataConfig, Plan
 from vitrain.data import sources
 from vitrain.data.transforms import (
     batch_eval_resize,
     batch_random_resized_crop,
     build_eval_transform,
     build_train_transform,
+    eval_resize_size,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -44,34 +48,36 @@ class InMemoryLoader:
         self.dataset, self.train = dataset, train
         self.config = plan.config.data
         self.seed = plan.config.train.seed
+        self.image_size = self.config.image_size
         self.batch_size = plan.global_batch if train else plan.eval_batch
-        self.epoch, self.start_batch = 0, 0
+        self.epoch, self.start_sample = 0, 0
+
+    def configure(self, image_size: int, batch_size: int) -> None:
+        self.image_size, self.batch_size = image_size, batch_size
 
     def __len__(self) -> int:
         if self.train:
             return len(self.dataset) // self.batch_size
         return -(-len(self.dataset) // self.batch_size)
 
-    def start_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
+    def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.epoch, self.start_sample = epoch, start_sample
 
     def __iter__(self) -> Iterator[Batch]:
-        order = (
-            epoch_permutation(len(self.dataset), self.seed, self.epoch)
-            if self.train
-            else torch.arange(len(self.dataset))
-        )
+        count, batch = len(self.dataset), self.batch_size
+        order = epoch_permutation(count, self.seed, self.epoch) if self.train else torch.arange(count)
         device = self.dataset.images.device
-        for batch_index in range(self.start_batch, len(self)):
-            indices = order[batch_index * self.batch_size : (batch_index + 1) * self.batch_size].to(device)
+        last_start = count - batch if self.train else count - 1  # training drops the partial batch
+        for start in range(self.start_sample, last_start + 1, batch):
+            indices = order[start : start + batch].to(device)
             images, labels = self.dataset.images[indices], self.dataset.labels[indices]
             if self.train:
-                generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, batch_index))
+                generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, start))
                 images = batch_random_resized_crop(
-                    images, self.config.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
+                    images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
                 )
             else:
-                images = batch_eval_resize(images, self.config.image_size, self.config.crop_pct)
+                images = batch_eval_resize(images, self.image_size, self.config.crop_pct)
             yield images, labels
 
 
@@ -95,11 +101,23 @@ class SeededSampler(Sampler):
             yield index, derive_seed(self.seed, self.epoch, index)
 
 
-class ImageFileDataset(Dataset):
-    """Decodes ``(path, label)`` samples with Pillow (RGB) and applies a seeded v2 transform."""
+def draft_size(config: DataConfig, image_size: int, train: bool) -> int:
+    """The smallest decoded side that loses no detail in the output: the eval resize, or for
+    training the side at which the smallest RandomResizedCrop still has ``image_size`` pixels."""
+    if train:
+        return math.ceil(image_size / math.sqrt(config.scale[0]))
+    return eval_resize_size(image_size, config.crop_pct)
 
-    def __init__(self, samples: list[tuple[str, int]], transform):
-        self.samples, self.transform = samples, transform
+
+class ImageFileDataset(Dataset):
+    """Decodes ``(path, label)`` samples with Pillow (RGB) and applies a seeded v2 transform.
+
+    JPEGs decode at a reduced scale (Pillow ``draft``: 1/2, 1/4 or 1/8 in the DCT) when the
+    output is small, so low-resolution curriculum stages also make decoding cheaper.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], transform, draft_side: int):
+        self.samples, self.transform, self.draft_side = samples, transform, draft_side
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -108,6 +126,12 @@ class ImageFileDataset(Dataset):
         index, sample_seed = key
         path, label = self.samples[index]
         with Image.open(path) as image:
+            if image.format == "JPEG":
+                # draft keeps both sides >= the requested box, so ask for the short side
+                # scaled to the aspect ratio: the short side stays >= draft_side
+                width, height = image.size
+                scale = self.draft_side / min(width, height)
+                image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
             image = image.convert("RGB")
         # The transform draws from torch's global RNG; seed it per sample, without disturbing
         # the caller's stream, so augmentation is independent of workers and restarts.
@@ -118,34 +142,43 @@ class ImageFileDataset(Dataset):
 
 
 class FileLoader:
-    """A torch DataLoader over image files, positioned through its seeded sampler."""
+    """A torch DataLoader over image files, positioned through its seeded sampler; rebuilt (with
+    its workers) when a curriculum stage changes the image or batch size."""
 
     def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
-        config = plan.config.data
-        self.train = train
-        self.batch_size = plan.global_batch if train else plan.eval_batch
-        transform = build_train_transform(config) if train else build_eval_transform(config)
-        self.dataset = ImageFileDataset(samples, transform)
+        self.samples, self.plan, self.train = samples, plan, train
         self.sampler = SeededSampler(len(samples), plan.config.train.seed, shuffle=train)
+        self.image_size, self.batch_size, self.loader = 0, 0, None
+        self.configure(plan.config.data.image_size, plan.global_batch if train else plan.eval_batch)
+
+    def configure(self, image_size: int, batch_size: int) -> None:
+        if (image_size, batch_size) == (self.image_size, self.batch_size):
+            return
+        config = self.plan.config.data
+        self.image_size, self.batch_size = image_size, batch_size
+        transform = (
+            build_train_transform(config, image_size) if self.train else build_eval_transform(config, image_size)
+        )
+        dataset = ImageFileDataset(self.samples, transform, draft_size(config, image_size, self.train))
         workers = config.num_workers
         self.loader = DataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
+            dataset,
+            batch_size=batch_size,
             sampler=self.sampler,
-            drop_last=train,
+            drop_last=self.train,
             num_workers=workers,
-            pin_memory=plan.device.startswith("cuda"),
+            pin_memory=self.plan.device.startswith("cuda"),
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
         )
 
     def __len__(self) -> int:
         if self.train:
-            return len(self.dataset) // self.batch_size
-        return -(-len(self.dataset) // self.batch_size)
+            return len(self.samples) // self.batch_size
+        return -(-len(self.samples) // self.batch_size)
 
-    def start_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.sampler.set_position(epoch, start_batch * self.batch_size)
+    def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.sampler.set_position(epoch, start_sample)
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.loader)

@@ -21,21 +21,24 @@ def eval_resize_size(image_size: int, crop_pct: float) -> int:
     return math.floor(image_size / crop_pct)
 
 
-def build_train_transform(config: DataConfig) -> v2.Compose:
+def build_train_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
     return v2.Compose(
         [
-            v2.RandomResizedCrop(config.image_size, scale=config.scale, ratio=config.ratio, antialias=True),
+            v2.RandomResizedCrop(
+                image_size or config.image_size, scale=config.scale, ratio=config.ratio, antialias=True
+            ),
             v2.RandomHorizontalFlip(config.hflip),
             v2.PILToTensor(),
         ]
     )
 
 
-def build_eval_transform(config: DataConfig) -> v2.Compose:
+def build_eval_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
+    size = image_size or config.image_size
     return v2.Compose(
         [
-            v2.Resize(eval_resize_size(config.image_size, config.crop_pct), antialias=True),
-            v2.CenterCrop(config.image_size),
+            v2.Resize(eval_resize_size(size, config.crop_pct), antialias=True),
+            v2.CenterCrop(size),
             v2.PILToTensor(),
         ]
     )

@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,14 @@ from torch import nn
 from tqdm import tqdm
 
 from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
-from vitrain.config import MODEL_OPTIONS, Plan, config_to_yaml
+from vitrain.config import MODEL_OPTIONS, Plan, Stage, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.metrics import JsonlWriter, run_environment
 from vitrain.models import build_model, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
-from vitrain.train.schedule import build_scheduler
+from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
 from vitrain.train.state import TrainState, capture_rng_state, restore_rng_state
 from vitrain.train.step import TrainStep, build_grad_scaler
 
@@ -63,7 +64,6 @@ class Run:
     plan: Plan
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     step_fn: TrainStep
     train_loader: Any
@@ -77,7 +77,6 @@ class Run:
             "format": CHECKPOINT_FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "state": self.state.state_dict(),
             "rng": capture_rng_state(),
@@ -86,7 +85,8 @@ class Run:
                 "lr": self.plan.lr,
                 "global_batch": self.plan.global_batch,
                 "steps_per_epoch": self.plan.steps_per_epoch,
-                "total_steps": self.plan.total_steps,
+                "duration_unit": self.plan.duration_unit,
+                "run_length": self.plan.run_length,
                 "precision": self.plan.precision,
                 "precision_mode": self.plan.precision_mode,
             },
@@ -95,7 +95,6 @@ class Run:
     def load_payload(self, payload: dict[str, Any]) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
-        self.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
         self.step_fn.weights_changed()
         self.state = TrainState.from_state_dict(payload["state"])
@@ -110,7 +109,6 @@ def build_training_step(plan: Plan) -> TrainStep:
     step = TrainStep(
         model,
         optimizer,
-        build_scheduler(optimizer, plan),
         build_grad_scaler(plan.precision, plan.device),
         plan.precision,
         plan.device,
@@ -127,13 +125,12 @@ def build_training_step(plan: Plan) -> TrainStep:
 
 def build_run(plan: Plan) -> Run:
     step_fn = build_training_step(plan)
-    model, optimizer, scheduler, scaler = step_fn.model, step_fn.optimizer, step_fn.scheduler, step_fn.scaler
+    model, optimizer, scaler = step_fn.model, step_fn.optimizer, step_fn.scaler
     train_loader, eval_loader = build_loaders(plan)
     return Run(
         plan=plan,
         model=model,
         optimizer=optimizer,
-        scheduler=scheduler,
         scaler=scaler,
         step_fn=step_fn,
         train_loader=train_loader,
@@ -142,6 +139,19 @@ def build_run(plan: Plan) -> Run:
         checkpoints=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
         state=TrainState(),
     )
+
+
+def describe_length(plan: Plan) -> str:
+    """The run's length in words, e.g. ``2106 steps (9.00 epochs)`` or ``a 600 s budget``."""
+    if plan.duration_unit == "seconds":
+        text = f"a {plan.run_length:g} s training budget"
+    else:
+        steps = plan.total_steps
+        text = f"{steps} steps ({plan.epochs:.2f} epochs)" if steps is not None else f"{plan.epochs:.2f} epochs"
+    if len(plan.stages) > 1:
+        sizes = "->".join(str(stage.image_size) for stage in plan.stages)
+        text += f", image sizes {sizes}"
+    return text
 
 
 def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
@@ -169,7 +179,7 @@ def _write_summary(run: Run, wall_s: float, images_this_session: int, session_tr
         "device": plan.device,
         "precision": plan.precision,
         "precision_mode": plan.precision_mode,
-        "epochs": state.step / plan.steps_per_epoch,
+        "epochs": state.epoch_position(plan.num_train),
         "steps": state.step,
         "images_seen": state.images_seen,
         "best_top1": state.best_top1,
@@ -187,26 +197,50 @@ def _write_summary(run: Run, wall_s: float, images_this_session: int, session_tr
 
 
 class Trainer:
-    """Runs a :class:`Run` to the end of its plan."""
+    """Runs a :class:`Run` to the end of its plan: stages of the curriculum, epochs of the data,
+    windows of steps closed by one device sync (metrics line), eval and checkpoint at epoch ends."""
 
-    def __init__(self, run: Run, metrics: JsonlWriter):
-        self.run, self.metrics = run, metrics
+    def __init__(self, run: Run, metrics: JsonlWriter, clock: Callable[[], float] = time.perf_counter):
+        self.run, self.metrics, self.clock = run, metrics, clock
         self.plan = run.plan
+        self.stage: Stage | None = None
         self.last_eval_step = self.last_checkpoint_step = -1
         self.session_images, self.session_train_s = 0, 0.0
         self.window_images, self.window_started = 0, 0.0
-        self.wall_started = time.perf_counter()
+        self.last_outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.wall_started = clock()
+
+    # --- clocks and position -----------------------------------------------------------------
+
+    def train_seconds(self) -> float:
+        """Training seconds of the run so far, the open window included (host clock, no sync)."""
+        return self.run.state.train_s + (self.clock() - self.window_started)
+
+    def progress(self) -> float:
+        return run_progress(self.plan, self.run.state, self.train_seconds())
+
+    def current_stage(self) -> Stage:
+        return self.plan.stage_at(self.progress(), self.run.state.epoch_position(self.plan.num_train))
+
+    def _clocks(self) -> dict[str, float]:
+        """Training seconds (the run's total, eval/checkpoint excluded) and wall seconds of this session."""
+        return {"train_s": self.run.state.train_s, "elapsed_s": self.clock() - self.wall_started}
+
+    def _epoch(self) -> float:
+        return self.run.state.epoch_position(self.plan.num_train)
+
+    # --- eval, checkpoints, metrics ----------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
         run = self.run
-        started = time.perf_counter()
+        started = self.clock()
         result = evaluate(run.model, run.eval_loader, run.normalize, self.plan.precision, self.plan.device)
-        run.state.eval_s += time.perf_counter() - started
+        run.state.eval_s += self.clock() - started
         run.state.last_eval = result
         if run.state.best_top1 is None or result["top1"] > run.state.best_top1:
             run.state.best_top1 = result["top1"]
         self.last_eval_step = run.state.step
-        epoch = run.state.step / self.plan.steps_per_epoch
+        epoch = self._epoch()
         self.metrics.write({"event": "eval", "step": run.state.step, "epoch": epoch, **result, **self._clocks()})
         log.info(
             "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f",
@@ -219,26 +253,34 @@ class Trainer:
         return result
 
     def save_checkpoint(self) -> None:
-        started = time.perf_counter()
+        started = self.clock()
         path = self.run.checkpoints.save(self.run.checkpoint_payload(), self.run.state.step)
-        self.run.state.checkpoint_s += time.perf_counter() - started
+        self.run.state.checkpoint_s += self.clock() - started
         self.last_checkpoint_step = self.run.state.step
         log.info("saved %s", path)
-
-    def _clocks(self) -> dict[str, float]:
-        """Training seconds (the run's total, eval/checkpoint excluded) and wall seconds of this session."""
-        return {"train_s": self.run.state.train_s, "elapsed_s": time.perf_counter() - self.wall_started}
 
     def _progress_bar(self) -> tqdm:
         mode = self.plan.config.train.progress
         disabled = not sys.stderr.isatty() if mode == "auto" else not mode
+        unit = {"steps": "step", "samples": "img", "seconds": "s"}[self.plan.duration_unit]
         return tqdm(
-            total=self.plan.total_steps, initial=self.run.state.step, disable=disabled, unit="step", dynamic_ncols=True
+            total=round(self.plan.run_length),
+            initial=round(min(1.0, self.progress()) * self.plan.run_length),
+            disable=disabled,
+            unit=unit,
+            unit_scale=unit == "img",
+            dynamic_ncols=True,
         )
 
-    def _close_window(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: tqdm) -> None:
+    def _open_window(self) -> None:
+        self.window_images, self.window_started = 0, self.clock()
+
+    def _close_window(self, progress: tqdm) -> None:
         """Synchronize once, charge the window's seconds to training, write a metrics line."""
         state = self.run.state
+        if self.window_images == 0 or self.last_outputs is None:
+            return
+        loss, grad_norm = self.last_outputs
         loss_value = loss.item()  # the host sync of the window
         if not math.isfinite(loss_value):
             raise TrainingDiverged(
@@ -246,66 +288,108 @@ class Trainer:
                 f"lower optim.lr, keep optim.grad_clip set, or use precision=bf16/fp32; last checkpoint: "
                 f"{find_latest_checkpoint(self.plan.out_dir) or 'none'}"
             )
-        elapsed = time.perf_counter() - self.window_started
+        elapsed = self.clock() - self.window_started
         state.train_s += elapsed
         self.session_train_s += elapsed
         self.session_images += self.window_images
         record = {
             "event": "train",
             "step": state.step,
-            "epoch": state.step / self.plan.steps_per_epoch,
+            "epoch": self._epoch(),
             "loss": loss_value,
             "lr": self.run.optimizer.param_groups[0]["lr"],
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
+            "image_size": self.stage.image_size if self.stage else None,
             **self._clocks(),
         }
         self.metrics.write(record)
         progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", refresh=False)
+        self._open_window()
 
-    def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: tqdm) -> None:
-        step, plan = self.run.state.step, self.plan
-        due_eval = plan.eval_every_steps > 0 and step % plan.eval_every_steps == 0
-        due_checkpoint = plan.checkpoint_every_steps > 0 and step % plan.checkpoint_every_steps == 0
-        if not (
-            due_eval or due_checkpoint or step % plan.config.train.log_every_steps == 0 or step == plan.total_steps
-        ):
-            return
-        self._close_window(loss, grad_norm, progress)
+    def _enter_stage(self, stage: Stage) -> None:
+        if stage != self.stage:
+            if self.stage is not None or len(self.plan.stages) > 1:
+                log.info(
+                    "stage: image size %d, batch %d, lr x%g (epoch %.2f, %.1f%% of the run)",
+                    stage.image_size,
+                    stage.batch_size,
+                    stage.lr_scale,
+                    self._epoch(),
+                    100 * self.progress(),
+                )
+                self.metrics.write(
+                    {
+                        "event": "stage",
+                        "step": self.run.state.step,
+                        "epoch": self._epoch(),
+                        "image_size": stage.image_size,
+                        "batch_size": stage.batch_size,
+                        "lr_scale": stage.lr_scale,
+                        **self._clocks(),
+                    }
+                )
+            self.stage = stage
+        self.run.train_loader.configure(stage.image_size, stage.batch_size)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _train_in_stage(self, progress: tqdm) -> bool:
+        """Steps over the rest of the epoch; True when the epoch's data ran out, False when the run
+        ended or the next stage began."""
+        run, plan, state = self.run, self.plan, self.run.state
+        for images, labels in run.train_loader:
+            apply_lr(run.optimizer, scheduled_lr(plan, state, self.train_seconds()))
+            images = run.normalize(images.to(plan.device, non_blocking=True))
+            self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
+            state.step += 1
+            state.images_seen += len(labels)
+            state.epoch_images += len(labels)
+            self.window_images += len(labels)
+            position = min(1.0, self.progress()) * plan.run_length
+            progress.update(round(position) - progress.n)
+            if state.step % plan.config.train.log_every_steps == 0:
+                self._close_window(progress)
+            if self.progress() >= 1.0 or self.current_stage() != self.stage:
+                return False
+        return True
+
+    def _end_epoch(self, progress: tqdm) -> None:
+        state, plan = self.run.state, self.plan
+        state.epoch, state.epoch_images = state.epoch + 1, 0
+        due_eval = plan.eval_every_epochs > 0 and state.epoch % plan.eval_every_epochs == 0
+        due_checkpoint = plan.checkpoint_every_epochs > 0 and state.epoch % plan.checkpoint_every_epochs == 0
+        if not (due_eval or due_checkpoint) or self.progress() >= 1.0:
+            return  # the end of the run evaluates and saves anyway
+        self._close_window(progress)
         if due_eval:
             self.evaluate()
         if due_checkpoint:
             self.save_checkpoint()
-        self.window_images, self.window_started = 0, time.perf_counter()
+        self._open_window()
 
     def train(self) -> dict[str, Any]:
-        run, plan, state = self.run, self.plan, self.run.state
-        self.wall_started = time.perf_counter()
+        run, state = self.run, self.run.state
+        self.wall_started = self.clock()
+        self._open_window()
         run.model.train()
         with self._progress_bar() as progress:
-            self.window_started = time.perf_counter()
-            while state.step < plan.total_steps:
-                epoch, batch_index = divmod(state.step, plan.steps_per_epoch)
-                run.train_loader.start_epoch(epoch, batch_index)
-                for images, labels in run.train_loader:
-                    images = run.normalize(images.to(plan.device, non_blocking=True))
-                    loss, grad_norm = run.step_fn(images, labels.to(plan.device, non_blocking=True))
-                    state.step += 1
-                    state.images_seen += len(labels)
-                    self.window_images += len(labels)
-                    progress.update(1)
-                    self._after_step(loss, grad_norm, progress)
-                    if state.step >= plan.total_steps:
-                        break
+            while self.progress() < 1.0:
+                self._enter_stage(self.current_stage())
+                run.train_loader.start_epoch(state.epoch, state.epoch_images)
+                if self._train_in_stage(progress):
+                    self._end_epoch(progress)
+            self._close_window(progress)
         if self.last_eval_step != state.step:
             self.evaluate()
         if self.last_checkpoint_step != state.step:
             self.save_checkpoint()
-        return _write_summary(run, time.perf_counter() - self.wall_started, self.session_images, self.session_train_s)
+        return _write_summary(run, self.clock() - self.wall_started, self.session_images, self.session_train_s)
 
 
-def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
-    """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary."""
+def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary.
+    ``clock`` (seconds) measures training time, hence budgets; tests inject a fake one."""
     checkpoint_path = find_resume_checkpoint(resume, plan)
     if checkpoint_path is not None:
         plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
@@ -318,12 +402,10 @@ def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
     log.info(
-        "%s: %s params, %d steps (%.2f epochs of %d) at batch %d, lr %.3g, %s on %s -> %s",
+        "%s: %s params, %s at batch %d, lr %.3g, %s on %s -> %s",
         plan.config.model.name,
         f"{num_parameters(run.model) / 1e6:.2f}M",
-        plan.total_steps,
-        plan.epochs,
-        plan.steps_per_epoch,
+        describe_length(plan),
         plan.global_batch,
         plan.lr,
         plan.precision + (" (o2)" if plan.precision_mode == "o2" else ""),
@@ -332,6 +414,6 @@ def train(plan: Plan, resume: str | None = None) -> dict[str, Any]:
     )
     metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
     try:
-        return Trainer(run, metrics).train()
+        return Trainer(run, metrics, clock).train()
     finally:
         metrics.close()

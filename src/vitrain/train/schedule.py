@@ -1,4 +1,9 @@
-"""Learning-rate schedule: linear warmup, then cosine (or constant) decay to a floor."""
+"""Learning-rate schedule and run progress: linear warmup, then cosine (or constant) decay to a floor.
+
+The schedule is a pure function of where the run is (optimizer steps, images seen, or training
+seconds for a wall-clock budget), so a resumed run continues exactly the same plan and a
+curriculum may change the batch size without bending it.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +12,48 @@ import math
 import torch
 
 from vitrain.config import Plan
+from vitrain.train.state import TrainState
 
 
-def lr_factor(
-    step: int, total_steps: int, warmup_steps: int, name: str, warmup_start: float, min_ratio: float
-) -> float:
-    """Multiplier of the peak LR for the update at ``step`` (0-based)."""
-    if step < warmup_steps:
-        return warmup_start + (1.0 - warmup_start) * step / warmup_steps
+def lr_factor(position: float, length: float, warmup: float, name: str, warmup_start: float, min_ratio: float) -> float:
+    """Multiplier of the peak LR at ``position`` (0-based) of a run of ``length`` with ``warmup``."""
+    if position < warmup:
+        return warmup_start + (1.0 - warmup_start) * position / warmup
     if name == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    decay = max(1e-12, length - warmup)
+    progress = min(1.0, (position - warmup) / decay)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.lr_scheduler.LambdaLR:
+def run_progress(plan: Plan, state: TrainState, train_s: float) -> float:
+    """Fraction of the run done (may pass 1.0 on the last step): steps, images or budget seconds."""
+    position = {"steps": state.step, "samples": state.images_seen, "seconds": train_s}[plan.duration_unit]
+    return position / plan.run_length
+
+
+def scheduled_lr(plan: Plan, state: TrainState, train_s: float) -> float:
+    """Peak LR x schedule x the current curriculum stage's multiplier.
+
+    Budget runs warm up over images (the warmup is a count of steps' worth of images, known in
+    advance) and then decay over the fraction of the budget spent, reaching the floor as the
+    budget runs out. (The decay's clock runs during the warmup too: at a warmup of w of the
+    budget the peak is cos(pi w) lower, under 1 % for w < 6 %.)
+    """
     config = plan.config.schedule
+    shape = (config.name, config.warmup_start, config.min_lr_ratio)
+    if plan.duration_unit == "steps":
+        factor = lr_factor(state.step, plan.run_length, plan.warmup, *shape)
+    elif plan.duration_unit == "samples":
+        factor = lr_factor(state.images_seen, plan.run_length, plan.warmup, *shape)
+    elif state.images_seen < plan.warmup:
+        factor = lr_factor(state.images_seen, math.inf, plan.warmup, *shape)
+    else:
+        factor = lr_factor(train_s, plan.run_length, 0.0, *shape)
+    stage = plan.stage_at(run_progress(plan, state, train_s), state.epoch_position(plan.num_train))
+    return plan.lr * factor * stage.lr_scale
 
-    def factor(step: int) -> float:
-        return lr_factor(
-            step, plan.total_steps, plan.warmup_steps, config.name, config.warmup_start, config.min_lr_ratio
-        )
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

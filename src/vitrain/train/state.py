@@ -13,14 +13,22 @@ import torch
 @dataclasses.dataclass
 class TrainState:
     step: int = 0
-    """Optimizer steps taken; with steps_per_epoch it fixes the data position."""
+    """Optimizer steps taken."""
     images_seen: int = 0
+    epoch: int = 0
+    """Epochs completed."""
+    epoch_images: int = 0
+    """Images of the current epoch already trained on; with ``epoch`` it fixes the data position."""
     train_s: float = 0.0
     """Training seconds (evaluation and checkpoint time excluded)."""
     eval_s: float = 0.0
     checkpoint_s: float = 0.0
     best_top1: float | None = None
     last_eval: dict[str, float] | None = None
+
+    def epoch_position(self, num_train: int) -> float:
+        """Epochs done, with the current one's fraction."""
+        return self.epoch + self.epoch_images / num_train
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

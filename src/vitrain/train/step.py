@@ -1,4 +1,4 @@
-"""One training step: forward, loss, backward, clip, optimizer and scheduler. No I/O, no sync."""
+"""One training step: forward, loss, backward, clip, optimizer. No I/O, no sync (the loop sets the LR)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ class TrainStep:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler,
         precision: str,
         device: str,
@@ -65,7 +64,7 @@ class TrainStep:
         grad_clip: float | None,
         precision_mode: str = "autocast",
     ):
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.precision, self.device = precision, device
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = None
@@ -94,7 +93,6 @@ class TrainStep:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
         if self.low_precision is not None:
             self.low_precision.push_weights()
         return loss.detach(), grad_norm
