@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="auto|PATH", help="continue from the newest checkpoint of the run (auto) or a file"
     )
 
+    finetune = commands.add_parser(
+        "finetune", help="train from a checkpoint's weights at another resolution and/or class count"
+    )
+    finetune.add_argument("--from", dest="init_from", required=True, type=Path, help="a checkpoint file to start from")
+    finetune.add_argument(
+        "--recipe", default=None, help="fine-tuning recipe (default: the checkpoint's own config, as '<recipe>_ft')"
+    )
+    _add_config_arguments(finetune, with_recipe=False)
+
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its configured data")
     evaluate.add_argument(
         "--checkpoint", required=True, type=Path, help="a checkpoint file (runs/.../checkpoints/step-*.pt)"
@@ -115,6 +124,23 @@ def command_train(args: argparse.Namespace) -> int:
 
     plan = make_plan(load_config(get_recipe(args.recipe), args))
     summary = train(plan, resume=args.resume)
+    print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
+    return 0
+
+
+def command_finetune(args: argparse.Namespace) -> int:
+    """``train`` with ``train.init_from``; without --recipe the checkpoint's config is the base."""
+    from vitrain.checkpoint import load_checkpoint
+    from vitrain.train import train
+
+    if args.recipe is not None:
+        base = get_recipe(args.recipe)
+    else:
+        base = Config.model_validate(load_checkpoint(args.init_from)["config"])
+        base.recipe = f"{base.recipe}_ft"
+    config = load_config(base, args)
+    config.train.init_from = args.init_from
+    summary = train(make_plan(config))
     print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
     return 0
 
@@ -192,6 +218,7 @@ COMMANDS = {
     "eval": command_eval,
     "show-config": command_show_config,
     "download-fashion-mnist": command_download_fashion_mnist,
+    "finetune": command_finetune,
     "list-recipes": command_list_recipes,
     "list-models": command_list_models,
     "bench": command_bench,
@@ -203,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    redirect = logging_redirect_tqdm() if args.command == "train" else contextlib.nullcontext()
+    redirect = logging_redirect_tqdm() if args.command in ("train", "finetune") else contextlib.nullcontext()
     try:
         with redirect:
             return COMMANDS[args.command](args)

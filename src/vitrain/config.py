@@ -132,6 +132,10 @@ class TrainConfig(Section):
     budget: str | None = None
     """Training length in wall-clock training seconds (evaluation and checkpoints excluded), e.g. 600s, 10m,
     24h, 1h30m; the LR schedule and curriculum are planned against the fraction of it used."""
+    init_from: Path | None = None
+    """Fine-tune: start from the model weights of this checkpoint (position embeddings resampled to
+    data.image_size, the classifier re-initialized when the class count differs); optimizer, schedule
+    and counters start fresh. A resumed run continues from its own checkpoint instead."""
     eval_batch_size: int | None = None
     """Evaluation batch size; twice train.batch_size when unset."""
     eval_every_epochs: int = Field(1, ge=0)
@@ -606,6 +610,10 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     _require(
         config.data.root is None or config.data.name != "synthetic",
         "data.root is not used by data.name=synthetic; remove it",
+    )
+    _require(
+        config.train.init_from is None or Path(config.train.init_from).is_file(),
+        f"train.init_from={config.train.init_from}: no such checkpoint file; give a runs/.../checkpoints/step-*.pt",
     )
     batch = config.train.batch_size
     duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)

@@ -218,9 +218,28 @@ def test_show_config_round_trips(capsys):
 def test_every_recipe_validates_and_is_documented():
     recipes = list_recipes()
     assert "fmnist" in recipes
+    imagenet = DatasetInfo(
+        num_train=1_281_167, num_eval=50_000, num_classes=1000, channels=3, mean=(0.5,) * 3, std=(0.25,) * 3
+    )
     for name, doc in recipes.items():
-        assert get_recipe(name).recipe == name
+        config = get_recipe(name)
+        assert config.recipe == name
         assert doc, f"recipe {name} has no docstring"
+        plan = resolve(config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16)  # model options fit
+        assert plan.stages[-1].image_size == config.data.image_size
+
+
+def test_borealis_recipe_plans_the_paper_s_curriculum():
+    plan = resolve(
+        get_recipe("borealis_24h_1gpu"),
+        DatasetInfo(
+            num_train=1_281_167, num_eval=50_000, num_classes=1000, channels=3, mean=(0.5,) * 3, std=(0.25,) * 3
+        ),
+        CPU_BF16,
+    )
+    assert [stage.image_size for stage in plan.stages] == [32, 64, 96, 128, 160, 192, 224]
+    assert [stage.until_epoch for stage in plan.stages] == [5, 10, 15, 20, 25, 30, None]
+    assert (plan.duration_unit, plan.run_length, plan.global_batch, plan.lr) == ("seconds", 86400, 64, 1e-3)
 
 
 @pytest.mark.parametrize(

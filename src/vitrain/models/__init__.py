@@ -73,6 +73,39 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: 
     model.load_state_dict(state_dict, strict=strict)
 
 
+# Parameter names of the classifiers of every family (ViT/DeiT/LocalViT/VOLO head, VOLO's token-
+# labeling head, ResNet's fc): a fine-tune to another class count keeps their fresh initialization.
+CLASSIFIER_PREFIXES = ("head.", "aux_head.", "fc.")
+
+
+def load_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Fine-tuning load: :func:`load_weights` (position embeddings resampled to the model's grid)
+    that keeps the model's own classifier where the class count differs. Returns the names left at
+    their initialization; raises ValueError when anything else does not fit."""
+    own = model.state_dict()
+    fresh = [
+        key
+        for key, value in state_dict.items()
+        if key.startswith(CLASSIFIER_PREFIXES) and key in own and own[key].shape != value.shape
+    ]
+    mismatched = [
+        f"{key} {tuple(value.shape)} vs {tuple(own[key].shape)}"
+        for key, value in state_dict.items()
+        if key in own and key not in fresh and key != "pos_embed" and own[key].shape != value.shape
+    ]
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    problems = [
+        f"{label}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        for label, names in (("shapes differ", mismatched), ("missing", missing), ("unexpected", unexpected))
+        if names
+    ]
+    if problems:
+        raise ValueError("the checkpoint's model does not fit this one: " + "; ".join(problems))
+    load_weights(model, {key: value for key, value in state_dict.items() if key not in fresh}, strict=False)
+    return fresh
+
+
 def num_parameters(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
@@ -165,6 +198,7 @@ __all__ = [
     "ViTArgs",
     "build_model",
     "list_models",
+    "load_pretrained",
     "load_weights",
     "model_spec",
     "num_parameters",

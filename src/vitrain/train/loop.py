@@ -21,10 +21,10 @@ from torch import nn
 from tqdm import tqdm
 
 from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
-from vitrain.config import MODEL_OPTIONS, Plan, Stage, config_to_yaml
+from vitrain.config import MODEL_OPTIONS, ConfigError, Plan, Stage, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.metrics import JsonlWriter, run_environment
-from vitrain.models import build_model, num_parameters
+from vitrain.models import build_model, load_pretrained, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
@@ -152,6 +152,26 @@ def describe_length(plan: Plan) -> str:
         sizes = "->".join(str(stage.image_size) for stage in plan.stages)
         text += f", image sizes {sizes}"
     return text
+
+
+def apply_init_from(run: Run, path: Path) -> list[str]:
+    """Load a checkpoint's model weights into a new run (fine-tuning); returns the classifier
+    parameters left at their initialization because the class count differs."""
+    payload = load_checkpoint(path)
+    try:
+        fresh = load_pretrained(run.model, payload["model"])
+    except ValueError as error:
+        raise ConfigError(f"train.init_from={path}: {error}; fine-tune the same model.name") from None
+    run.step_fn.weights_changed()
+    saved_size = payload.get("config", {}).get("data", {}).get("image_size")
+    log.info(
+        "initialized from %s (trained at %s px, now %d px)%s",
+        path,
+        saved_size,
+        run.plan.config.data.image_size,
+        f"; new classifier: {', '.join(fresh)}" if fresh else "",
+    )
+    return fresh
 
 
 def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
@@ -399,6 +419,8 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     if checkpoint_path is not None:
         run.load_payload(load_checkpoint(checkpoint_path))
         log.info("resumed from %s at step %d", checkpoint_path, run.state.step)
+    elif plan.config.train.init_from is not None:
+        apply_init_from(run, Path(plan.config.train.init_from))
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
     log.info(
