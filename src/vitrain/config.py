@@ -123,8 +123,9 @@ class ScheduleConfig(Section):
 class TrainConfig(Section):
     batch_size: int = 256
     """Global batch size (images per optimizer step); the final curriculum stage's."""
-    epochs: float = Field(10.0, gt=0.0)
-    """Training length in epochs (fractions allowed), unless train.steps, train.samples or train.budget is set."""
+    epochs: float | None = Field(10.0, gt=0.0)
+    """Training length in epochs (fractions allowed), unless train.steps, train.samples or train.budget is set.
+    Setting one of the four in a --config file or --set clears the other three."""
     steps: int | None = Field(None, ge=1)
     """Training length in optimizer steps; replaces train.epochs when set."""
     samples: int | None = Field(None, ge=1)
@@ -291,13 +292,27 @@ def load_yaml(path: Path) -> dict:
     return loaded
 
 
+LENGTH_KEYS = ("epochs", "steps", "samples", "budget")
+"""train.* keys that each give the run's length; a layer that sets one clears the others."""
+
+
+def _merge_layer(merged: dict, layer: dict, source: str) -> dict:
+    train_layer = layer.get("train") if isinstance(layer.get("train"), dict) else {}
+    lengths = [key for key in LENGTH_KEYS if train_layer.get(key) is not None]
+    if len(lengths) > 1:
+        raise ConfigError(f"{source} sets train.{lengths[0]} and train.{lengths[1]}: the run has one length; keep one")
+    if lengths and isinstance(merged.get("train"), dict):
+        merged = {**merged, "train": {**merged["train"], **{key: None for key in LENGTH_KEYS}}}
+    return _deep_merge(merged, layer)
+
+
 def build_config(base: Config, files: list[Path] = (), overrides: list[str] = ()) -> Config:
     """Layer YAML files and ``key=value`` overrides over ``base``; validate once."""
     merged = base.model_dump(mode="json")
     for path in files:
-        merged = _deep_merge(merged, load_yaml(Path(path)))
+        merged = _merge_layer(merged, load_yaml(Path(path)), f"--config {path}")
     for text in overrides:
-        merged = _deep_merge(merged, parse_override(text))
+        merged = _merge_layer(merged, parse_override(text), f"--set {text}")
     try:
         return Config.model_validate(merged)
     except ValidationError as error:
@@ -534,6 +549,10 @@ def _resolve_duration(config: Config, steps_per_epoch: int) -> tuple[str, float,
         return "seconds", budget_s, float(warmup_samples)
     if train.samples is not None:
         return "samples", float(train.samples), float(min(train.samples, warmup_samples))
+    _require(
+        train.epochs is not None,
+        "the run has no length; set one of train.epochs, train.steps, train.samples or train.budget",
+    )
     total = max(1, round(train.epochs * steps_per_epoch)) * batch
     return "samples", float(total), float(min(total, warmup_samples))
 

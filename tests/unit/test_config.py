@@ -111,7 +111,8 @@ def test_bad_values_name_the_key(overrides, key, fix):
         (["data.mean=[0.1, 0.2]"], "data.mean"),
         (["train.budget=10 minutes"], "train.budget"),
         (["train.budget=0s"], "train.budget"),
-        (["train.budget=10m", "train.steps=5"], "train.steps"),
+        (["train={budget: 10m, steps: 5}"], "train.steps and train.budget"),
+        (["train.epochs=null"], "train.epochs"),
         (["curriculum.stages=[{until: 0.5, image_size: 15}]"], r"curriculum.stages[0].image_size"),
         (["curriculum.stages=[{until: 0.5, image_size: 14}, {until: 0.4, image_size: 21}]"], "stages[1].until"),
         (["curriculum.start_size=10", "curriculum.grow_by=7"], "curriculum.start_size"),
@@ -133,6 +134,15 @@ def test_budget_durations(text, seconds):
     assert (plan.duration_unit, plan.run_length) == ("seconds", seconds)
     assert plan.warmup == 117 * 256  # images: the warmup is planned in images, the decay in seconds
     assert plan.total_steps is None and plan.epochs is None
+
+
+def test_a_later_layer_s_length_replaces_the_recipe_s():
+    budget_recipe = make_config("train.budget=9m")
+    assert (budget_recipe.train.epochs, budget_recipe.train.budget) == (None, "9m")
+    shortened = make_config("train.epochs=1", base=budget_recipe)
+    assert (shortened.train.epochs, shortened.train.budget, shortened.train.steps) == (1, None, None)
+    plan = resolve(make_config("train.steps=7", base=budget_recipe), DATA, CPU_ONLY)
+    assert (plan.duration_unit, plan.run_length) == ("steps", 7)
 
 
 def test_samples_duration():

@@ -170,6 +170,12 @@ def _register_localvit_family() -> None:
             ViTArgs(**fields),
             f"LocalViT-{size[0].upper()}: BN + SE depthwise-conv FFN (Li et al. 2021), seed 004's baseline",
         )
+    register_model(
+        "localvit_tiny6_patch7",
+        build_localvit,
+        ViTArgs(embed_dim=192, depth=6, num_heads=3, patch_size=7, img_size=28, ffn="localvit"),
+        "6-block LocalViT at the default recipe's size, for the Borealis comparison on Fashion-MNIST",
+    )
 
 
 def _register_resnet_family() -> None:

@@ -19,6 +19,7 @@ def _borealis_24h(model: str) -> Config:
     config.data.image_size = 224
     config.data.num_workers = 8
     config.train.batch_size = 64
+    config.train.epochs = None
     config.train.budget = "24h"
     config.optim.lr = 1e-3
     config.optim.reference_batch = 64
@@ -84,6 +85,7 @@ def nemo_vit_b16_ft_512() -> Config:
     config.data.image_size = 512
     config.data.crop_pct = 1.0
     config.train.batch_size = 512
+    config.train.epochs = None
     config.train.steps = 20_000
     config.optim.name = "sgd"
     config.optim.momentum = 0.9
