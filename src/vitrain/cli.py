@@ -105,6 +105,13 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--compare-timm", action="store_true", help="also time the timm model of the same architecture, timm's way"
     )
+    bench.add_argument(
+        "--ladder",
+        action="store_true",
+        help="the cumulative ladder fp32 -> +bf16 -> +fused optimizer -> +attention -> +compile -> +O2 -> "
+        "+activation checkpointing, relative throughput per rung and a PNG bar chart",
+    )
+    bench.add_argument("--plot", type=Path, help="--ladder: PNG path (default: ladder-<model>.png, or beside --json)")
 
 
 def load_config(base: Config, args: argparse.Namespace) -> Config:
@@ -204,12 +211,41 @@ def command_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(steps=args.steps, warmup=args.warmup, repeats=args.repeats, compile=args.compile)
     base = get_recipe(args.recipe) if args.recipe else Config()
     flags = bench_overrides(args.model, args.image_size, args.batch, args.precision, args.precision_mode, settings)
+    if args.ladder:
+        return _bench_ladder(args, base, flags, settings)
     plan = make_plan(build_config(base, args.config, flags + args.overrides))
     result = compare_with_timm(plan, settings) if args.compare_timm else measure_training_step(plan, settings)
     print(format_table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], settings) -> int:
+    import dataclasses
+
+    from vitrain.bench import format_ladder, ladder_rungs, plot_ladder, run_ladder
+    from vitrain.models import model_spec
+
+    try:
+        fields = {field.name for field in dataclasses.fields(model_spec(args.model).args)}
+    except KeyError as error:
+        raise ConfigError(f"--model: {error.args[0]}") from None
+    rungs = ladder_rungs(args.precision, with_attention="attn_impl" in fields, with_compile=True)
+    result = run_ladder(
+        lambda extra: make_plan(build_config(base, args.config, flags + args.overrides + extra)), settings, rungs
+    )
+    print(format_ladder(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    plot_path = args.plot or (args.json.with_suffix(".png") if args.json else Path(f"ladder-{args.model}.png"))
+    title = f"{args.model}, {args.image_size} px, batch {args.batch}"
+    if plot_ladder(result, plot_path, title):
+        print(f"plot: {plot_path}")
+    else:
+        print("no plot: matplotlib is not installed (pip install -e '.[plot]')", file=sys.stderr)
     return 0
 
 

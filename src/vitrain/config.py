@@ -93,6 +93,9 @@ class DataConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """fused: one kernel for all parameters; foreach: multi-tensor ops (pycls's "MTA"); for-loop: one
+    parameter at a time; auto: fused where torch has it for the device (CPU and CUDA), else foreach."""
     lr: float = Field(1e-3, gt=0.0)
     """Base learning rate at optim.reference_batch; scaled linearly to the global batch."""
     reference_batch: int = Field(1024, ge=1)

@@ -231,3 +231,60 @@ def test_bad_input_exits_2_with_a_message(argv, needle, capsys):
 def test_bench_settings_reject_nonpositive_counts():
     with pytest.raises(ConfigError, match="--repeats"):
         BenchSettings(repeats=0)
+
+
+def _ladder_plan_for(model: str, image_size: int, batch: int):
+    settings = BenchSettings(steps=1, warmup=1, repeats=1, compile_backend="eager")
+    flags = bench_overrides(model, image_size, batch, "bf16", None, settings)
+    return (lambda extra: make_plan(build_config(Config(), [], flags + extra))), settings
+
+
+def test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_throughput():
+    from vitrain.bench import ladder_rungs, run_ladder
+
+    plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
+    result = run_ladder(plan_for, settings, ladder_rungs("bf16", with_attention=True, with_compile=True))
+    rows = result["rungs"]
+    assert [row["rung"] for row in rows] == [
+        "fp32 baseline",
+        "+ bf16 autocast",
+        "+ fused optimizer",
+        "+ attention choice",
+        "+ torch.compile",
+        "+ bf16 O2 weights",
+        "+ activation checkpointing (memory)",
+    ]
+    assert rows[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in rows)
+    assert (rows[0]["precision"], rows[0]["optimizer"], rows[0]["compile"]) == (
+        "fp32",
+        "adamw for-loop (vitrain build_optimizer)",
+        False,
+    )
+    assert (rows[1]["precision"], rows[2]["optimizer"]) == ("bf16", "adamw fused (vitrain build_optimizer)")
+    alternatives = rows[3]["alternatives"]
+    faster = max(alternatives, key=alternatives.get)
+    assert set(alternatives) == {"model.attn_impl=sdpa", "model.attn_impl=matmul"} and rows[3]["chosen"] == faster
+    assert rows[4]["compile"] and rows[5]["precision_mode"] == "o2" and rows[6]["compile"]
+    assert rows[6]["settings"][-2:] == ["train.activation_checkpointing=all", "--compile"]
+    assert all(faster in row["settings"] for row in rows[3:])
+    assert result["skipped"] == []
+
+
+def test_ladder_reports_a_rung_the_model_cannot_take_and_goes_on(tmp_path, capsys, monkeypatch):
+    """ResNet-50 has no attention option (no attention rung) and its BatchNorm blocks refuse
+    activation checkpointing: that rung is reported as skipped, the others are measured."""
+    import vitrain.bench
+
+    rungs = vitrain.bench.ladder_rungs  # inductor would compile ResNet-50 for minutes: test without
+    monkeypatch.setattr(vitrain.bench, "ladder_rungs", lambda *a, **k: rungs(*a, **{**k, "with_compile": False}))
+    path = tmp_path / "ladder.json"
+    argv = ["bench", "--ladder", "--model", "resnet50", "--image-size", "32", "--batch", "2", "--precision", "bf16"]
+    assert main([*argv, "--steps", "1", "--repeats", "1", "--warmup", "1", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    names = [row["rung"] for row in result["rungs"]]
+    assert "+ attention choice" not in names and names[0] == "fp32 baseline"
+    assert [row["rung"] for row in result["skipped"]] == ["+ activation checkpointing (memory)"]
+    assert "BatchNorm" in result["skipped"][0]["reason"]
+    out = capsys.readouterr()
+    assert "skipped: + activation checkpointing" in out.out
+    assert ("plot:" in out.out) == path.with_suffix(".png").exists()

@@ -7,6 +7,7 @@ import gzip
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torchvision.transforms import v2
 
 from tests.conftest import make_config, write_idx
@@ -177,3 +178,18 @@ def test_download_refuses_a_truncated_file(tiny_fmnist, tmp_path, capsys):
     assert main(["download-fashion-mnist", "--root", str(tmp_path / "out"), "--url", mirror.as_uri() + "/"]) == 1
     assert "download failed" in capsys.readouterr().err
     assert not (tmp_path / "out" / "train-images-idx3-ubyte.gz").exists()
+
+
+def test_jpeg_decodes_at_reduced_scale_for_small_outputs(tmp_path):
+    """Pillow's draft picks the largest DCT reduction keeping the short side >= the stage's need."""
+    from vitrain.data.loader import ImageFileDataset, draft_size
+
+    config = make_config("data.scale=[0.08, 1.0]", "data.crop_pct=0.875").data
+    assert draft_size(config, 16, train=True) == 57  # the smallest crop (8 % of the area) keeps 16 px
+    assert draft_size(config, 16, train=False) == 18  # the eval resize
+    path = tmp_path / "big.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (192, 256, 3), dtype=np.uint8)).save(path)
+    decoded_size = lambda side: ImageFileDataset([(str(path), 0)], lambda image: image.size, side)[(0, 0)][0]  # noqa: E731
+    assert decoded_size(40) == (64, 48)  # 1/4 scale: the short side 48 >= 40
+    assert decoded_size(90) == (128, 96)  # 1/2 scale: 96 >= 90
+    assert decoded_size(200) == (256, 192)  # no reduction when the output needs every pixel

@@ -25,10 +25,22 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
+    """torch.optim keyword arguments for an ``optim.implementation`` on ``device``."""
+    if implementation == "auto":
+        # torch's fused AdamW/SGD kernels exist for CPU and CUDA tensors alike
+        implementation = "fused" if torch.device(device).type in ("cpu", "cuda") else "foreach"
+    return {
+        "fused": {"fused": True, "foreach": False},
+        "foreach": {"fused": False, "foreach": True},
+        "for-loop": {"fused": False, "foreach": False},
+    }[implementation]
+
+
 def build_optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
     config = plan.config.optim
     groups = build_param_groups(model, config.weight_decay)
-    # The fused (single-kernel) implementations exist for CPU and CUDA tensors alike.
+    flags = implementation_flags(config.implementation, plan.device)
     if config.name == "adamw":
-        return torch.optim.AdamW(groups, lr=plan.lr, betas=config.betas, eps=config.eps, fused=True)
-    return torch.optim.SGD(groups, lr=plan.lr, momentum=config.momentum, fused=True)
+        return torch.optim.AdamW(groups, lr=plan.lr, betas=config.betas, eps=config.eps, **flags)
+    return torch.optim.SGD(groups, lr=plan.lr, momentum=config.momentum, **flags)

@@ -1,0 +1,129 @@
+"""The cumulative ablation ladder of pycls's "faster ViT training" chart (seed 002): each rung keeps
+the previous rungs' settings and adds one technique; throughput is reported relative to the first.
+
+fp32 baseline (for-loop optimizer, SDPA, eager, autocast) -> + low precision (bf16/fp16 autocast)
+-> + fused optimizer -> + attention choice (SDPA and the explicit matmul path both measured, the
+faster kept) -> + torch.compile -> + O2 weights -> + activation checkpointing on every block (a
+memory rung: it trades speed for activation memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vitrain.bench.throughput import BenchSettings, measure_training_step
+from vitrain.config import Plan
+
+log = logging.getLogger("vitrain")
+
+PlanFor = Callable[[list[str]], Plan]
+"""Builds the benchmark plan for extra ``--set`` overrides (the bench flags and recipe underneath)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    name: str
+    overrides: tuple[str, ...] = ()
+    compile: bool = False
+    alternatives: tuple[tuple[str, ...], ...] = ()
+    """Settings measured side by side at this rung; the fastest is kept for the next rungs."""
+
+
+def ladder_rungs(precision: str, with_attention: bool, with_compile: bool) -> list[Rung]:
+    low = precision if precision != "fp32" else "bf16"
+    rungs = [
+        Rung("fp32 baseline", ("precision=fp32", "precision_mode=autocast", "optim.implementation=for-loop")),
+        Rung(f"+ {low} autocast", (f"precision={low}",)),
+        Rung("+ fused optimizer", ("optim.implementation=fused",)),
+    ]
+    if with_attention:
+        rungs.append(Rung("+ attention choice", alternatives=(("model.attn_impl=sdpa",), ("model.attn_impl=matmul",))))
+    if with_compile:
+        rungs.append(Rung("+ torch.compile", compile=True))
+    rungs.append(Rung(f"+ {low} O2 weights", ("precision_mode=o2",)))
+    rungs.append(Rung("+ activation checkpointing (memory)", ("train.activation_checkpointing=all",)))
+    return rungs
+
+
+def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) -> dict[str, Any]:
+    """Measure every rung cumulatively; return the records with throughput and memory relative to the first."""
+    kept: list[str] = []
+    compile_on = False
+    rows, skipped = [], []
+    for rung in rungs:
+        kept += rung.overrides
+        compile_on = compile_on or rung.compile
+        rung_settings = dataclasses.replace(settings, compile=compile_on, warmup=max(settings.warmup, compile_on))
+        candidates = rung.alternatives or ((),)
+        measured = []
+        try:
+            for extra in candidates:
+                log.info("ladder rung '%s' %s", rung.name, " ".join(extra))
+                measured.append((extra, measure_training_step(plan_for([*kept, *extra]), rung_settings)))
+        except Exception as error:  # noqa: BLE001  (a rung this model or device cannot take is reported, not fatal)
+            log.warning("ladder rung '%s' skipped: %s", rung.name, error)
+            kept = kept[: len(kept) - len(rung.overrides)]
+            compile_on = compile_on and not rung.compile
+            skipped.append({"rung": rung.name, "reason": f"{type(error).__name__}: {error}".splitlines()[0]})
+            continue
+        extra, record = max(measured, key=lambda pair: pair[1]["img_s_median"])
+        kept += extra
+        rows.append(
+            {
+                "rung": rung.name,
+                "settings": list(kept) + (["--compile"] if compile_on else []),
+                "chosen": " ".join(extra) or None,
+                "alternatives": {" ".join(e): r["img_s_median"] for e, r in measured} if rung.alternatives else None,
+                **record,
+            }
+        )
+    baseline = rows[0]
+    for row in rows:
+        row["speedup"] = row["img_s_median"] / baseline["img_s_median"]
+        memory, base_memory = row.get("peak_memory_bytes"), baseline.get("peak_memory_bytes")
+        row["memory_ratio"] = memory / base_memory if memory and base_memory else None
+    return {"rungs": rows, "skipped": skipped}
+
+
+def format_ladder(result: dict[str, Any]) -> str:
+    lines = [f"{'rung':40s} {'img/s':>9s} {'x fp32':>7s} {'MFU':>7s} {'peak MiB':>9s}  chosen"]
+    for row in result["rungs"]:
+        mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-"
+        memory = f"{row['peak_memory_bytes'] / 2**20:.0f}" if row.get("peak_memory_bytes") else "-"
+        chosen = row["chosen"] or ""
+        if row["alternatives"]:
+            chosen += " (" + ", ".join(f"{name}: {rate:.1f}" for name, rate in row["alternatives"].items()) + ")"
+        lines.append(
+            f"{row['rung']:40s} {row['img_s_median']:9.1f} {row['speedup']:7.2f} {mfu:>7s} {memory:>9s}  {chosen}"
+        )
+    lines += [f"skipped: {row['rung']}: {row['reason']}" for row in result["skipped"]]
+    return "\n".join(lines)
+
+
+def plot_ladder(result: dict[str, Any], path: Path, title: str) -> bool:
+    """A bar chart of the speed-up per rung (PNG); False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rungs"]
+    figure, axes = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    names = [row["rung"] for row in rows][::-1]
+    speedups = [row["speedup"] for row in rows][::-1]
+    bars = axes.barh(names, speedups, color="tab:blue")
+    for bar, value in zip(bars, speedups, strict=True):
+        axes.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.2f}x", va="center")
+    axes.set_xlabel("training throughput relative to the fp32 baseline")
+    axes.set_title(title)
+    axes.set_xlim(0, max(speedups) * 1.2)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return True
