@@ -95,7 +95,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--batch", type=int, required=True, help="images per step")
     bench.add_argument("--precision", required=True, choices=["fp32", "bf16", "fp16"])
     bench.add_argument(
-        "--precision-mode", choices=["autocast", "o2"], help="default: the recipe's; autocast without --recipe"
+        "--precision-mode", choices=["autocast", "o2", "full"], help="default: the recipe's; autocast without --recipe"
     )
     bench.add_argument("--compile", action="store_true", help="torch.compile the model; compile time reported apart")
     bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")

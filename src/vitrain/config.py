@@ -39,6 +39,9 @@ class ModelConfig(Section):
     attn_impl: Literal["sdpa", "matmul"] | None = None
     """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls;
     the variant's (sdpa) when unset."""
+    attn_softmax_fp32: bool | None = None
+    """Matmul attention: scores q.k^T and softmax in fp32 under fp16/bf16 (DeiT's fix for fp16 NaN
+    losses; SDPA's kernels do this already); the variant's (off) when unset."""
     drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
     """Dropout on embeddings, MLP outputs and before the head; the variant's (0) when unset."""
     attn_drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
@@ -148,6 +151,9 @@ class TrainConfig(Section):
     """Label smoothing of the cross-entropy loss."""
     activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
     """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
+    channels_last: bool = False
+    """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
+    convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
     seed: int = 0
     """Seed of model init, data order and augmentation."""
     device: str = "auto"
@@ -205,9 +211,11 @@ class Config(BaseModel):
     """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where the device
     computes it natively (AVX512-bf16/AMX CPUs, CUDA compute capability 8+), else fp32. bf16 asked for on
     a CPU without native support runs emulated (correct, slower than fp32)."""
-    precision_mode: Literal["autocast", "o2"] = "autocast"
+    precision_mode: Literal["autocast", "o2", "full"] = "autocast"
     """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
-    weights are updated (no effect at fp32)."""
+    weights are updated; full: weights, gradients and optimizer state all in bf16/fp16, no master copy
+    (pycls's "full FP16": fastest and leanest, but updates smaller than the weights' precision are lost
+    and can cost accuracy; BatchNorm stays fp32). No effect at fp32."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -367,7 +375,7 @@ class Plan:
     config: Config
     device: str
     precision: Literal["fp32", "bf16", "fp16"]
-    precision_mode: Literal["autocast", "o2"]
+    precision_mode: Literal["autocast", "o2", "full"]
     out_dir: Path
     num_train: int
     num_eval: int
@@ -439,7 +447,16 @@ def _check_batch_and_length(config: Config, num_train: int) -> int:
 
 
 # ModelConfig fields that are model arguments, passed through when set.
-MODEL_OPTIONS = ("patch_size", "head", "mlp_ratio", "attn_impl", "drop_rate", "attn_drop_rate", "drop_path_rate")
+MODEL_OPTIONS = (
+    "patch_size",
+    "head",
+    "mlp_ratio",
+    "attn_impl",
+    "attn_softmax_fp32",
+    "drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+)
 
 
 def _resolve_patch_size(config: Config) -> int:
@@ -616,6 +633,11 @@ def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, 
     return (*stages, Stage(final_size, config.train.batch_size))
 
 
+FP16_MIN_ADAM_EPS = 1e-4
+"""Smallest AdamW eps allowed with fp16 weights: below it, squared gradients under fp16's 6e-8 floor
+leave eps alone in the denominator (measured: eps 1e-8 -> NaN, 1e-6 -> divergence, 1e-4 trains)."""
+
+
 def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now") -> Plan:
     """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
     patch = _resolve_patch_size(config)
@@ -632,6 +654,13 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     _require(
         config.data.root is None or config.data.name != "synthetic",
         "data.root is not used by data.name=synthetic; remove it",
+    )
+    _require(
+        not (precision == "fp16" and config.precision_mode == "full" and config.optim.name == "adamw")
+        or config.optim.eps >= FP16_MIN_ADAM_EPS,
+        f"optim.eps={config.optim.eps:g} with fp16 weights (precision_mode=full): Adam's second moment "
+        f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "
+        f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
     )
     _require(
         config.train.init_from is None or Path(config.train.init_from).is_file(),

@@ -127,6 +127,28 @@ def test_attention_implementations_agree():
     assert torch.allclose(sdpa(images), matmul(images), atol=1e-5)
 
 
+def test_fp32_softmax_switch_keeps_fp16_matmul_attention_finite_where_scores_overflow():
+    from vitrain.models.layers import Attention
+
+    torch.manual_seed(0)
+    reference = Attention(64, 4, impl="matmul")
+    with torch.no_grad():  # q = k = v = x: a token's score with itself is |x|^2 / 4, past fp16's 65504
+        reference.qkv.weight.copy_(torch.eye(64).repeat(3, 1))
+        reference.qkv.bias.zero_()
+        x = 150.0 * torch.randn(2, 10, 64)
+        exact = reference(x)
+        outputs = {}
+        for softmax_fp32 in (False, True):
+            module = Attention(64, 4, impl="matmul", softmax_fp32=softmax_fp32)
+            module.load_state_dict(reference.state_dict())
+            outputs[softmax_fp32] = module.half()(x.half()).float()
+    assert not outputs[False].isfinite().all()  # the overflow the switch exists for
+    assert outputs[True].isfinite().all()
+    assert torch.allclose(outputs[True], exact, rtol=0.01, atol=0.5)
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, attn_impl="matmul", attn_softmax_fp32=True)
+    assert all(block.attn.softmax_fp32 for block in model.blocks)
+
+
 def test_other_resolution_resamples_position_embeddings():
     model = build_model("vit_tiny_patch16", img_size=32)
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 1000)

@@ -173,3 +173,23 @@ def test_fractional_stage_ends_mid_epoch_and_resume_inside_a_stage_is_bitwise(
     resumed_final = _weights(sorted((resumed_dir / "checkpoints").glob("step-*.pt"))[-1])
     for key in final:
         assert torch.equal(final[key], resumed_final[key]), key
+
+
+def test_data_wait_is_measured_and_counts_as_training_time(small_synthetic_overrides, step_clock, monkeypatch):
+    """A loader that takes half a fake second per batch, steps of one: a third of training is data wait,
+    and the budget (which includes it) buys two thirds as many steps."""
+    from vitrain.data.loader import InMemoryLoader
+
+    original = InMemoryLoader.__iter__
+
+    def slow_batches(self):
+        for batch in original(self):
+            step_clock.now += 0.5
+            yield batch
+
+    monkeypatch.setattr(InMemoryLoader, "__iter__", slow_batches)
+    plan = make_plan(make_config(*small_synthetic_overrides, *BUDGET))
+    summary = train(plan, clock=step_clock)
+    assert summary["steps"] == round(20 / 1.5) + 1  # the step started before 20 s finishes
+    assert summary["data_wait_frac"] == pytest.approx(0.5 / 1.5, rel=0.05)
+    assert all(record["data_wait_frac"] == pytest.approx(1 / 3) for record in _train_records(plan))

@@ -72,6 +72,14 @@ def test_o2_applies_only_to_low_precision():
         resolve(make_config("precision_mode=o3"), DATA, CPU_BF16)
 
 
+def test_fp16_full_refuses_an_adam_eps_that_underflows():
+    full = ("precision=fp16", "precision_mode=full")
+    with pytest.raises(ConfigError, match=r"optim.eps=1e-08 .*optim.eps>=0.0001"):
+        resolve(make_config(*full), DATA, CPU_BF16)
+    assert resolve(make_config(*full, "optim.eps=1e-4"), DATA, CPU_BF16).precision_mode == "full"
+    assert resolve(make_config("precision=bf16", "precision_mode=full"), DATA, CPU_BF16).precision_mode == "full"
+
+
 def test_device_cuda_without_cuda_is_rejected():
     with pytest.raises(ConfigError, match="train.device"):
         resolve(make_config("train.device=cuda"), DATA, CPU_ONLY)

@@ -114,6 +114,69 @@ def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
     assert o1_step.low_precision is None
 
 
+POLICIES = [(p, m) for p in ("bf16", "fp16") for m in ("autocast", "o2", "full")]
+
+
+@pytest.mark.parametrize(("precision", "mode"), POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
+def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
+    """Five AdamW steps on one batch: each policy's losses stay within 5 % of fp32's (full: 10 %, no
+    master copy), and its weights, gradients and scaler are where the policy says. eps 1e-3: fp16
+    weights need eps >= 1e-4 (config refuses less, see test_fp16_full_refuses_an_adam_eps_that_underflows)."""
+    from vitrain.models import build_model
+    from vitrain.train.step import TrainStep, build_grad_scaler
+
+    def losses_for(precision, mode):
+        torch.manual_seed(0)
+        model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
+        scaler = build_grad_scaler(precision, "cpu", mode)
+        step = TrainStep(model, optimizer, scaler, precision, "cpu", 0.0, 1.0, mode)
+        torch.manual_seed(1)
+        images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
+        return [step(images, labels)[0].item() for _ in range(5)], model, step
+
+    reference, _, _ = losses_for("fp32", "autocast")
+    losses, model, step = losses_for(precision, mode)
+    tolerance = 0.10 if mode == "full" else 0.05
+    assert losses[-1] < losses[0], losses
+    assert all(abs(a - b) < tolerance * abs(a) for a, b in zip(reference, losses, strict=True)), (reference, losses)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    weights = {parameter.dtype for parameter in model.parameters()}
+    assert weights == ({low} if mode == "full" else {torch.float32})
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in model.parameters())
+    assert (step.low_precision is not None) == (mode == "o2")
+    assert step.scaler.is_enabled() == (precision == "fp16")
+
+
+def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
+    from vitrain.models import build_model
+    from vitrain.train.step import TrainStep, build_grad_scaler
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = build_model("localvit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, mode)
+        torch.manual_seed(1)
+        for _ in range(3):
+            step(torch.randn(8, 1, 14, 14) + 2.0, torch.randint(4, (8,)))
+        return model, step
+
+    o1_model, _ = run("autocast")
+    o2_model, o2_step = run("o2")
+    compute_norm = o2_step.low_precision.compute.blocks[0].mlp.expand_norm
+    master_norm = o2_model.blocks[0].mlp.expand_norm
+    assert compute_norm.weight.dtype == torch.float32
+    assert compute_norm.running_mean is master_norm.running_mean  # one set of statistics
+    assert int(master_norm.num_batches_tracked) == 3
+    assert o2_step.low_precision.compute.blocks[0].mlp.expand.weight.dtype == torch.bfloat16
+    for name, buffer in o1_model.named_buffers():
+        if name.endswith("running_mean"):
+            o2_buffer = dict(o2_model.named_buffers())[name]
+            assert o2_buffer.abs().sum() > 0, name  # moved from its zero init
+            assert torch.allclose(o2_buffer, buffer, rtol=0.1, atol=0.05), name
+
+
 def test_model_options_from_the_config_reach_the_model(small_synthetic_overrides):
     from vitrain.train import build_model_for
 
@@ -121,3 +184,23 @@ def test_model_options_from_the_config_reach_the_model(small_synthetic_overrides
     model = build_model_for(plan)
     assert model.blocks[0].mlp.fc1.out_features == 2 * model.args.embed_dim
     assert model.args.head == "gap" and model.cls_token is None
+
+
+def test_channels_last_converts_model_and_input_and_trains_the_same(small_synthetic_overrides):
+    from vitrain.bench.throughput import synthetic_batch
+    from vitrain.train.loop import build_training_step
+
+    def two_steps(channels_last):
+        plan = make_plan(
+            make_config(*small_synthetic_overrides, "model.name=resnet50", f"train.channels_last={channels_last}")
+        )
+        step = build_training_step(plan)
+        images, labels = synthetic_batch(plan)
+        losses = [step(images, labels)[0].item() for _ in range(2)]
+        return losses, step.model, images
+
+    (plain, _, _), (nhwc, model, images) = two_steps(False), two_steps(True)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.conv1.weight.is_contiguous()
+    assert nhwc == pytest.approx(plain, rel=1e-4)

@@ -96,7 +96,7 @@ def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     size = plan.config.data.image_size
     images = torch.randint(0, 256, (plan.global_batch, plan.in_chans, size, size), generator=generator)
     labels = torch.randint(0, plan.num_classes, (plan.global_batch,), generator=generator)
-    normalize = Normalize(plan.mean, plan.std, plan.device)
+    normalize = Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last)
     return normalize(images.to(torch.uint8).to(plan.device)), labels.to(plan.device)
 
 
@@ -218,7 +218,7 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
         plan.global_batch,
         plan.config.data.image_size,
         plan.precision,
-        " (o2)" if plan.precision_mode == "o2" else "",
+        f" ({plan.precision_mode})" if plan.precision_mode != "autocast" else "",
         plan.device,
         settings.warmup,
         settings.repeats,

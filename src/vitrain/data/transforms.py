@@ -110,10 +110,11 @@ def batch_eval_resize(images: torch.Tensor, size: int, crop_pct: float) -> torch
 class Normalize:
     """uint8 batch -> float, (x / 255 - mean) / std, as one fused multiply-add on the device."""
 
-    def __init__(self, mean, std, device: torch.device | str):
+    def __init__(self, mean, std, device: torch.device | str, channels_last: bool = False):
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         std_tensor = torch.tensor(std, device=device).view(1, -1, 1, 1)
         self.scale = 1.0 / (255.0 * std_tensor)
         self.shift = -torch.tensor(mean, device=device).view(1, -1, 1, 1) / std_tensor
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self.shift, images.float(), self.scale)
+        return torch.addcmul(self.shift, images.float(), self.scale).contiguous(memory_format=self.memory_format)

@@ -62,6 +62,7 @@ class Attention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         impl: Literal["sdpa", "matmul"] = "sdpa",
+        softmax_fp32: bool = False,
         device=None,
         dtype=None,
     ):
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.impl = impl
+        self.impl, self.softmax_fp32 = impl, softmax_fp32
         self.qkv = nn.Linear(dim, dim * 3, device=device, dtype=dtype)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
@@ -85,11 +86,21 @@ class Attention(nn.Module):
         if self.impl == "sdpa":
             x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         else:
-            weights = (q * self.scale) @ k.transpose(-2, -1)
-            weights = F.dropout(weights.softmax(dim=-1), dropout, self.training)
-            x = weights @ v
+            x = self._matmul_attention(q, k, v, dropout)
         x = x.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(x))
+
+    def _matmul_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        if not self.softmax_fp32:
+            weights = (q * self.scale) @ k.transpose(-2, -1)
+            return F.dropout(weights.softmax(dim=-1), dropout, self.training) @ v
+        # DeiT's fix for NaN losses in fp16: scores q.k^T and their softmax in fp32 (an fp16 product
+        # overflows past 65504), the probabilities back in v's dtype for the second product. SDPA needs
+        # no switch: its fused kernels accumulate in fp32 and its math fallback upcasts fp16/bf16.
+        with torch.autocast(q.device.type, enabled=False):
+            weights = (q.float() * self.scale) @ k.float().transpose(-2, -1)
+            probabilities = weights.softmax(dim=-1)
+        return F.dropout(probabilities.to(v.dtype), dropout, self.training) @ v
 
 
 class Mlp(nn.Module):
@@ -149,13 +160,14 @@ class Block(nn.Module):
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
         attn_impl: Literal["sdpa", "matmul"] = "sdpa",
+        attn_softmax_fp32: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
-        self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, **factory)
+        self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, attn_softmax_fp32, **factory)
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
         self.mlp = mlp_type(dim, mlp_hidden, drop, num_prefix_tokens, **factory)

@@ -39,6 +39,8 @@ class ViTArgs:
     head: Literal["cls", "gap"] = "cls"
     ffn: Literal["mlp", "locality", "localvit"] = "mlp"
     attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    attn_softmax_fp32: bool = False
+    """Matmul attention: scores and softmax in fp32 under fp16/bf16 (DeiT's NaN fix)."""
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
@@ -72,6 +74,7 @@ class VisionTransformer(nn.Module):
                 attn_drop=args.attn_drop_rate,
                 drop_path=rate,
                 attn_impl=args.attn_impl,
+                attn_softmax_fp32=args.attn_softmax_fp32,
                 **factory,
             )
             for rate in drop_path_rates

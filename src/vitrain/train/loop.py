@@ -105,11 +105,13 @@ def build_training_step(plan: Plan) -> TrainStep:
     """Seeded model, optimizer, schedule, scaler and the step that holds them (training and bench)."""
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
+    if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
+        model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, plan)
     step = TrainStep(
         model,
         optimizer,
-        build_grad_scaler(plan.precision, plan.device),
+        build_grad_scaler(plan.precision, plan.device, plan.precision_mode),
         plan.precision,
         plan.device,
         plan.config.train.label_smoothing,
@@ -135,7 +137,7 @@ def build_run(plan: Plan) -> Run:
         step_fn=step_fn,
         train_loader=train_loader,
         eval_loader=eval_loader,
-        normalize=Normalize(plan.mean, plan.std, plan.device),
+        normalize=Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last),
         checkpoints=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
         state=TrainState(),
     )
@@ -190,7 +192,9 @@ def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
     return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
 
 
-def _write_summary(run: Run, wall_s: float, images_this_session: int, session_train_s: float) -> dict[str, Any]:
+def _write_summary(
+    run: Run, wall_s: float, images_this_session: int, session_train_s: float, session_data_wait_s: float
+) -> dict[str, Any]:
     state, plan = run.state, run.plan
     summary = {
         "model": plan.config.model.name,
@@ -210,6 +214,7 @@ def _write_summary(run: Run, wall_s: float, images_this_session: int, session_tr
         "eval_s": state.eval_s,
         "checkpoint_s": state.checkpoint_s,
         "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
+        "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
         **run_environment(plan.device),
     }
     (plan.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -225,8 +230,8 @@ class Trainer:
         self.plan = run.plan
         self.stage: Stage | None = None
         self.last_eval_step = self.last_checkpoint_step = -1
-        self.session_images, self.session_train_s = 0, 0.0
-        self.window_images, self.window_started = 0, 0.0
+        self.session_images, self.session_train_s, self.session_data_wait_s = 0, 0.0, 0.0
+        self.window_images, self.window_started, self.window_data_wait_s = 0, 0.0, 0.0
         self.last_outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.wall_started = clock()
 
@@ -293,7 +298,7 @@ class Trainer:
         )
 
     def _open_window(self) -> None:
-        self.window_images, self.window_started = 0, self.clock()
+        self.window_images, self.window_started, self.window_data_wait_s = 0, self.clock(), 0.0
 
     def _close_window(self, progress: tqdm) -> None:
         """Synchronize once, charge the window's seconds to training, write a metrics line."""
@@ -312,6 +317,7 @@ class Trainer:
         state.train_s += elapsed
         self.session_train_s += elapsed
         self.session_images += self.window_images
+        self.session_data_wait_s += self.window_data_wait_s
         record = {
             "event": "train",
             "step": state.step,
@@ -320,6 +326,7 @@ class Trainer:
             "lr": self.run.optimizer.param_groups[0]["lr"],
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
+            "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
             "image_size": self.stage.image_size if self.stage else None,
             **self._clocks(),
         }
@@ -358,7 +365,14 @@ class Trainer:
         """Steps over the rest of the epoch; True when the epoch's data ran out, False when the run
         ended or the next stage began."""
         run, plan, state = self.run, self.plan, self.run.state
-        for images, labels in run.train_loader:
+        batches = iter(run.train_loader)
+        while True:
+            waiting_since = self.clock()  # data wait: host time blocked on the loader (workers behind)
+            batch = next(batches, None)
+            self.window_data_wait_s += self.clock() - waiting_since
+            if batch is None:
+                return True
+            images, labels = batch
             apply_lr(run.optimizer, scheduled_lr(plan, state, self.train_seconds()))
             images = run.normalize(images.to(plan.device, non_blocking=True))
             self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
@@ -372,7 +386,6 @@ class Trainer:
                 self._close_window(progress)
             if self.progress() >= 1.0 or self.current_stage() != self.stage:
                 return False
-        return True
 
     def _end_epoch(self, progress: tqdm) -> None:
         state, plan = self.run.state, self.plan
@@ -404,7 +417,9 @@ class Trainer:
             self.evaluate()
         if self.last_checkpoint_step != state.step:
             self.save_checkpoint()
-        return _write_summary(run, self.clock() - self.wall_started, self.session_images, self.session_train_s)
+        return _write_summary(
+            run, self.clock() - self.wall_started, self.session_images, self.session_train_s, self.session_data_wait_s
+        )
 
 
 def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
@@ -430,7 +445,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         describe_length(plan),
         plan.global_batch,
         plan.lr,
-        plan.precision + (" (o2)" if plan.precision_mode == "o2" else ""),
+        plan.precision + (f" ({plan.precision_mode})" if plan.precision_mode != "autocast" else ""),
         plan.device,
         plan.out_dir,
     )

@@ -19,22 +19,55 @@ def autocast_context(precision: str, device: str) -> contextlib.AbstractContextM
     return torch.autocast(torch.device(device).type, dtype=_AUTOCAST_DTYPES[precision])
 
 
-def build_grad_scaler(precision: str, device: str) -> torch.amp.GradScaler:
+class HalfWeightsGradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling for fp16 *weights* ("full" fp16): torch's scaler refuses to unscale fp16
+    gradients because fp32 master weights are the usual fix; here there are none by design."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+def build_grad_scaler(precision: str, device: str, precision_mode: str = "autocast") -> torch.amp.GradScaler:
     """Dynamic loss scaling, enabled only for fp16 (bf16 has fp32's exponent range)."""
-    return torch.amp.GradScaler(torch.device(device).type, enabled=precision == "fp16")
+    scaler = HalfWeightsGradScaler if precision_mode == "full" else torch.amp.GradScaler
+    return scaler(torch.device(device).type, enabled=precision == "fp16")
+
+
+def to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast ``model`` to ``dtype`` in place except BatchNorm layers, which stay fp32 (apex's
+    ``keep_batchnorm_fp32``: torch normalizes low-precision inputs with fp32 statistics)."""
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.float()
+    return model
 
 
 class LowPrecisionWeights:
     """ "O2" mixed precision: a copy of the model in the compute dtype runs forward and backward
     with no autocast casts; the fp32 model stays the master copy that the optimizer updates and
     checkpoints hold (Micikevicius et al. 2018, "Mixed Precision Training"; apex opt-level O2).
+
+    BatchNorm layers stay fp32 in the compute copy (``to_compute_dtype``) and share the master's
+    running statistics, so the statistics each forward updates are the ones evaluation and
+    checkpoints see.
     """
 
     def __init__(self, master: nn.Module, dtype: torch.dtype):
         self.master, self.dtype = master, dtype
-        self.compute = copy.deepcopy(master).to(dtype)
+        self.compute = to_compute_dtype(copy.deepcopy(master), dtype)
+        for master_module, compute_module in zip(master.modules(), self.compute.modules(), strict=True):
+            if isinstance(compute_module, nn.modules.batchnorm._BatchNorm):
+                for name, buffer in master_module.named_buffers(recurse=False):
+                    setattr(compute_module, name, buffer)
         self.master_params = list(master.parameters())
         self.compute_params = list(self.compute.parameters())
+        self.buffer_pairs = [
+            (master_buffer, compute_buffer)
+            for master_buffer, compute_buffer in zip(master.buffers(), self.compute.buffers(), strict=True)
+            if master_buffer is not compute_buffer
+        ]
+        self.push_weights()  # exact fp32 BatchNorm weights, not the round trip through the compute dtype
 
     def pull_grads(self) -> None:
         """Move the compute copy's gradients onto the master parameters, in fp32."""
@@ -44,9 +77,9 @@ class LowPrecisionWeights:
 
     @torch.no_grad()
     def push_weights(self) -> None:
-        """Round the master weights (and buffers) into the compute copy."""
+        """Round the master weights (and unshared buffers) into the compute copy."""
         torch._foreach_copy_(self.compute_params, self.master_params)
-        for master, compute in zip(self.master.buffers(), self.compute.buffers(), strict=True):
+        for master, compute in self.buffer_pairs:
             compute.copy_(master)
 
 
@@ -68,8 +101,12 @@ class TrainStep:
         self.precision, self.device = precision, device
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = None
+        self.full_dtype = None  # "full": the model itself holds low-precision weights, no master copy
         if precision_mode == "o2" and precision in _AUTOCAST_DTYPES:
             self.low_precision = LowPrecisionWeights(model, _AUTOCAST_DTYPES[precision])
+        elif precision_mode == "full" and precision in _AUTOCAST_DTYPES:
+            self.full_dtype = _AUTOCAST_DTYPES[precision]
+            to_compute_dtype(model, self.full_dtype)  # in place: the optimizer's parameters stay the same objects
 
     def weights_changed(self) -> None:
         """Call after loading weights into the model (resume) so the compute copy follows."""
@@ -78,11 +115,13 @@ class TrainStep:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.low_precision is None:
+        if self.low_precision is not None:
+            logits = self.low_precision.compute(images.to(self.low_precision.dtype))
+        elif self.full_dtype is not None:
+            logits = self.model(images.to(self.full_dtype))
+        else:
             with autocast_context(self.precision, self.device):
                 logits = self.model(images)
-        else:
-            logits = self.low_precision.compute(images.to(self.low_precision.dtype))
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
         self.scaler.scale(loss).backward()
         if self.low_precision is not None:
