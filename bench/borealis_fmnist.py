@@ -1,13 +1,14 @@
 """The Borealis benchmark (seed 004: Table 1 and the Figure 2 ablations) at this machine's scale:
 Fashion-MNIST, one wall-clock training budget, four variants of the same 6-block, 192-wide model,
-several seeds. Writes each run under ``--out`` (config, metrics.jsonl, summary.json), a
+several seeds. Writes each run under ``--out`` (config, metrics.jsonl, summary.json; a rerun with
+the same ``--out`` skips the runs already finished), a
 ``results.json`` with mean and std per variant, and ``accuracy_vs_time.png`` (test top-1 after each
 epoch against training seconds) when matplotlib is installed.
 
     python bench/borealis_fmnist.py --budget 10m --seeds 0 1 2 --out records/borealis-fmnist-10m-<date>
 
 Variants: a DeiT-style ViT (plain FFN), LocalViT (BatchNorm + SE depthwise FFN), the locality ViT
-without curriculum (the default recipe's model), and the locality ViT with an image-size curriculum
+without curriculum, and the locality ViT with an image-size curriculum
 (14 -> 21 -> 28 px over the first 40 % of the budget, the paper's linear rule as fractions).
 """
 
@@ -28,25 +29,33 @@ from vitrain.train import train
 VARIANTS = {
     "deit_style_vit": ["model.name=vit_tiny6_patch7"],
     "localvit": ["model.name=localvit_tiny6_patch7"],
-    "locality_vit": [],
+    "locality_vit": ["model.name=locality_vit_tiny6_patch7"],
     "locality_vit_curriculum": [
+        "model.name=locality_vit_tiny6_patch7",
         "curriculum.stages=[{until: 0.2, image_size: 14}, {until: 0.4, image_size: 21}]",
     ],
 }
 
 
 def run_variant(name: str, seed: int, budget: str, out: Path, extra: list[str]) -> dict:
+    """Train one variant, or read its results back when an earlier invocation finished it."""
+    run_dir = out / f"{name}-seed{seed}"
+    if (run_dir / "summary.json").exists():
+        return _result(name, seed, json.loads((run_dir / "summary.json").read_text()), run_dir)
     overrides = [
         *VARIANTS[name],
         f"train.seed={seed}",
         f"train.budget={budget}",
-        f"train.out_dir={out / f'{name}-seed{seed}'}",
+        f"train.out_dir={run_dir}",
         "train.progress=off",
         *extra,
     ]
     plan = make_plan(build_config(get_recipe("fmnist"), [], overrides))
-    summary = train(plan)
-    evals = [record for record in read_jsonl(plan.out_dir / "metrics.jsonl") if record["event"] == "eval"]
+    return _result(name, seed, train(plan), run_dir)
+
+
+def _result(name: str, seed: int, summary: dict, run_dir: Path) -> dict:
+    evals = [record for record in read_jsonl(run_dir / "metrics.jsonl") if record["event"] == "eval"]
     return {
         "variant": name,
         "seed": seed,
@@ -110,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants:
             runs.append(run_variant(name, seed, args.budget, args.out, args.extra))
             print(json.dumps({key: value for key, value in runs[-1].items() if key != "curve"}), flush=True)
-    table = summarize(runs)
-    (args.out / "results.json").write_text(json.dumps({"budget": args.budget, "table": table, "runs": runs}, indent=2))
+            table = summarize(runs)  # written after every run: an interrupted sweep keeps what it measured
+            results = {"budget": args.budget, "table": table, "runs": runs}
+            (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print("| variant | test top-1 (mean ± std) | seeds | epochs in budget |\n|---|---|---|---|")
     for name, row in table.items():
         print(f"| {name} | {row['mean']:.2f} ± {row['std']:.2f} | {row['seeds']} | {row['epochs']:.2f} |")
