@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vitrain.checkpoint import CheckpointError
-from vitrain.config import Config, ConfigError, Hardware, Plan, build_config, config_to_yaml, resolve
+from vitrain.config import Config, ConfigError, Hardware, Plan, World, build_config, config_to_yaml, resolve
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
 from vitrain.train.loop import TrainingDiverged
 
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
     )
     _add_bench_parser(commands)
+    _add_slurm_parser(commands)
     return parser
 
 
@@ -111,27 +112,107 @@ def _add_bench_parser(commands) -> None:
         help="the cumulative ladder fp32 -> +bf16 -> +fused optimizer -> +attention -> +compile -> +O2 -> "
         "+activation checkpointing, relative throughput per rung and a PNG bar chart",
     )
-    bench.add_argument("--plot", type=Path, help="--ladder: PNG path (default: ladder-<model>.png, or beside --json)")
+    bench.add_argument(
+        "--nproc",
+        help="scaling sweep: comma-separated process counts (e.g. 1,2,4), each a torchrun of this bench with "
+        "--batch images per process; reports scaling efficiency and a PNG",
+    )
+    bench.add_argument(
+        "--plot", type=Path, help="--ladder/--nproc: PNG path (default: <kind>-<model>.png, or beside --json)"
+    )
+
+
+def _add_slurm_parser(commands) -> None:
+    slurm = commands.add_parser(
+        "slurm",
+        help="write an sbatch script running `vitrain train` on N nodes x G GPUs (torchrun, c10d, requeue)",
+        description="Example: vitrain slurm --nodes 4 --gpus-per-node 8 --time 24:00:00 --out job.sbatch -- "
+        "--recipe nemo_vit_b16_224 --set data.root=/data/imagenet; then sbatch job.sbatch",
+    )
+    slurm.add_argument("--nodes", type=int, required=True)
+    slurm.add_argument("--gpus-per-node", type=int, required=True)
+    slurm.add_argument("--time", default="24:00:00", help="Slurm time limit (default 24:00:00)")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--account")
+    slurm.add_argument("--job-name", default="vitrain")
+    slurm.add_argument("--cpus-per-gpu", type=int, default=8, help="CPU cores per GPU for data loading (default 8)")
+    slurm.add_argument("--no-numa-binding", action="store_true", help="do not pass --numa-binding=node to torchrun")
+    slurm.add_argument("--out", type=Path, help="write the script here (default: stdout)")
+    slurm.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `vitrain train`")
+
+
+def command_slurm(args: argparse.Namespace) -> int:
+    from vitrain.parallel.slurm import SlurmJob, sbatch_script
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ConfigError("--nodes and --gpus-per-node must be >= 1")
+    job = SlurmJob(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        time=args.time,
+        job_name=args.job_name,
+        partition=args.partition,
+        account=args.account,
+        cpus_per_gpu=args.cpus_per_gpu,
+        numa_binding=not args.no_numa_binding,
+    )
+    build_parser().parse_args(["train", *train_args])  # bad train arguments fail here, not on the cluster
+    script = sbatch_script(job, train_args)
+    if args.out is None:
+        print(script, end="")
+    else:
+        args.out.write_text(script)
+        args.out.chmod(0o755)
+        log.info(
+            "wrote %s (%d nodes x %d GPUs); submit with: sbatch %s", args.out, job.nodes, job.gpus_per_node, args.out
+        )
+    return 0
 
 
 def load_config(base: Config, args: argparse.Namespace) -> Config:
     return build_config(base, args.config, args.overrides)
 
 
-def make_plan(config: Config) -> Plan:
+def make_plan(config: Config, world: World | None = None) -> Plan:
     from vitrain.data import describe_source
+    from vitrain.parallel.distributed import broadcast_object
 
-    return resolve(
-        config, describe_source(config.data), Hardware.detect(config.train.device), now=time.strftime("%Y%m%d-%H%M%S")
-    )
+    now = broadcast_object(time.strftime("%Y%m%d-%H%M%S"))  # one run folder for all processes
+    hardware = Hardware.detect(config.train.device)
+    return resolve(config, describe_source(config.data), hardware, now=now, world=world or World())
+
+
+@contextlib.contextmanager
+def processes(config: Config):
+    """The run's processes: under torchrun (WORLD_SIZE > 1) join the process group (NCCL on GPUs,
+    gloo on CPUs) for the duration, rank 0 alone logging at INFO; yields this process's World."""
+    from vitrain.parallel.distributed import close_distributed, init_distributed
+
+    world = World.from_env()
+    if world.size > 1:
+        cuda = Hardware.detect(config.train.device).cuda_available and config.train.device != "cpu"
+        init_distributed(world, cuda, config.parallel.timeout_s)
+        if not world.is_main:
+            log.setLevel(logging.WARNING)
+    try:
+        yield world
+    finally:
+        close_distributed()
+
+
+def _print_result(summary: dict, world: World) -> None:
+    if world.is_main:
+        print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
 
 
 def command_train(args: argparse.Namespace) -> int:
     from vitrain.train import train
 
-    plan = make_plan(load_config(get_recipe(args.recipe), args))
-    summary = train(plan, resume=args.resume)
-    print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
+    config = load_config(get_recipe(args.recipe), args)
+    with processes(config) as world:
+        summary = train(make_plan(config, world), resume=args.resume)
+    _print_result(summary, world)
     return 0
 
 
@@ -147,8 +228,9 @@ def command_finetune(args: argparse.Namespace) -> int:
         base.recipe = f"{base.recipe}_ft"
     config = load_config(base, args)
     config.train.init_from = args.init_from
-    summary = train(make_plan(config))
-    print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
+    with processes(config) as world:
+        summary = train(make_plan(config, world))
+    _print_result(summary, world)
     return 0
 
 
@@ -213,12 +295,47 @@ def command_bench(args: argparse.Namespace) -> int:
     flags = bench_overrides(args.model, args.image_size, args.batch, args.precision, args.precision_mode, settings)
     if args.ladder:
         return _bench_ladder(args, base, flags, settings)
-    plan = make_plan(build_config(base, args.config, flags + args.overrides))
-    result = compare_with_timm(plan, settings) if args.compare_timm else measure_training_step(plan, settings)
-    print(format_table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    config = build_config(base, args.config, flags + args.overrides)
+    if args.nproc:
+        return _bench_scaling(args, config)
+    with processes(config) as world:
+        plan = make_plan(config, world)
+        result = compare_with_timm(plan, settings) if args.compare_timm else measure_training_step(plan, settings)
+    if world.is_main:
+        print(format_table(result))
+        _write_json(args.json, result)
+    return 0
+
+
+def _write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _bench_scaling(args: argparse.Namespace, config: Config) -> int:
+    from vitrain.bench.scaling import format_scaling, parse_nproc, plot_scaling, run_scaling
+
+    try:
+        counts = parse_nproc(args.nproc)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    make_plan(config)  # bad input fails here, before any process starts
+    passed, skip = [], False
+    for arg in args.argv[1:]:  # the sweep sets these flags itself
+        if skip:
+            skip = False
+        elif arg in ("--nproc", "--json", "--plot", "--batch"):
+            skip = True
+        elif not arg.startswith(("--nproc=", "--json=", "--plot=", "--batch=")):
+            passed.append(arg)
+    on_cpu = not Hardware.detect(config.train.device).cuda_available or config.train.device == "cpu"
+    result = run_scaling(passed, args.batch, counts, on_cpu)
+    print(format_scaling(result))
+    _write_json(args.json, result)
+    plot_path = args.plot or (args.json.with_suffix(".png") if args.json else Path(f"scaling-{args.model}.png"))
+    if plot_scaling(result, plot_path, f"{args.model}, {args.image_size} px, batch {args.batch} per process"):
+        print(f"plot: {plot_path}")
     return 0
 
 
@@ -237,9 +354,7 @@ def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], sett
         lambda extra: make_plan(build_config(base, args.config, flags + args.overrides + extra)), settings, rungs
     )
     print(format_ladder(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    _write_json(args.json, result)
     plot_path = args.plot or (args.json.with_suffix(".png") if args.json else Path(f"ladder-{args.model}.png"))
     title = f"{args.model}, {args.image_size} px, batch {args.batch}"
     if plot_ladder(result, plot_path, title):
@@ -258,11 +373,14 @@ COMMANDS = {
     "list-recipes": command_list_recipes,
     "list-models": command_list_models,
     "bench": command_bench,
+    "slurm": command_slurm,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from tqdm.contrib.logging import logging_redirect_tqdm
 

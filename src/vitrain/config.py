@@ -36,9 +36,10 @@ class ModelConfig(Section):
     """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
     mlp_ratio: float | None = Field(None, gt=0.0)
     """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
-    attn_impl: Literal["sdpa", "matmul"] | None = None
-    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch) or explicit matmuls;
-    the variant's (sdpa) when unset."""
+    attn_impl: Literal["auto", "sdpa", "matmul"] | None = None
+    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch), explicit matmuls, or auto
+    (both timed on this device at the run's shape when the model is built, the faster kept, the result
+    cached in ~/.cache/vitrain); the variant's (sdpa) when unset."""
     attn_softmax_fp32: bool | None = None
     """Matmul attention: scores q.k^T and softmax in fp32 under fp16/bf16 (DeiT's fix for fp16 NaN
     losses; SDPA's kernels do this already); the variant's (off) when unset."""
@@ -149,6 +150,9 @@ class TrainConfig(Section):
     """Evaluate every N epochs (0: only at the end)."""
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     """Label smoothing of the cross-entropy loss."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Gradient accumulation: images per forward/backward on each process; every step accumulates over
+    its share of the global batch in pieces of this size (null: the whole share at once)."""
     activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
     """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
     channels_last: bool = False
@@ -202,6 +206,14 @@ class CheckpointConfig(Section):
     """Keep this many newest checkpoints."""
 
 
+class ParallelConfig(Section):
+    strategy: Literal["ddp"] = "ddp"
+    """How several processes (torchrun) share the work: ddp replicates the model and averages gradients
+    (each process takes its slice of every global batch, so the run equals one process's)."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """Collective timeout: a rank that waits longer (a peer died or hangs) fails the job instead of hanging."""
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -223,6 +235,7 @@ class Config(BaseModel):
     train: TrainConfig = TrainConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +382,26 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place among the processes of a run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> World:
+        import os
+
+        env = os.environ if environ is None else environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved run: the config plus every derived value. Immutable."""
 
@@ -399,6 +432,8 @@ class Plan:
     """Curriculum stages in order; the last is the final one (data.image_size, train.batch_size)."""
     eval_every_epochs: int
     checkpoint_every_epochs: int
+    world: World = World()
+    """The processes sharing the run; batches are global, each process takes global_batch / world.size."""
 
     @property
     def total_steps(self) -> int | None:
@@ -457,6 +492,15 @@ MODEL_OPTIONS = (
     "attn_drop_rate",
     "drop_path_rate",
 )
+
+
+def model_overrides(model: ModelConfig) -> dict[str, Any]:
+    """The model.* options as model arguments (unset ones None); attn_impl=auto is chosen after the
+    build (vitrain.train.attention_probe), so the model is built with its variant's default."""
+    options = {option: getattr(model, option) for option in MODEL_OPTIONS}
+    if options["attn_impl"] == "auto":
+        options["attn_impl"] = None
+    return options
 
 
 def _resolve_patch_size(config: Config) -> int:
@@ -638,11 +682,13 @@ FP16_MIN_ADAM_EPS = 1e-4
 leave eps alone in the denominator (measured: eps 1e-8 -> NaN, 1e-6 -> divergence, 1e-4 trains)."""
 
 
-def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now") -> Plan:
+def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World = World()) -> Plan:
     """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
     patch = _resolve_patch_size(config)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
     device = _resolve_device(config.train.device, hardware.cuda_available)
+    if world.size > 1 and device == "cuda":
+        device = f"cuda:{world.local_rank}"  # one GPU per process
     precision = _resolve_precision(config.precision, hardware)
     for key in ("mean", "std"):
         value = getattr(config.data, key)
@@ -669,6 +715,16 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     batch = config.train.batch_size
     duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
+    stages = _resolve_stages(config, patch, data.num_train)
+    eval_batch = config.train.eval_batch_size or 2 * batch
+    for key, size in [("train.batch_size", batch), ("train.eval_batch_size", eval_batch)] + [
+        (f"curriculum stage at {stage.image_size} px: batch", stage.batch_size) for stage in stages[:-1]
+    ]:
+        _require(
+            size % world.size == 0,
+            f"{key}={size} is global and must split evenly over the {world.size} processes; "
+            f"use a multiple of {world.size}",
+        )
     return Plan(
         config=config,
         device=device,
@@ -683,15 +739,16 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         std=tuple(config.data.std or data.std),
         patch_size=patch,
         global_batch=batch,
-        eval_batch=config.train.eval_batch_size or 2 * batch,
+        eval_batch=eval_batch,
         lr=config.optim.lr * batch / config.optim.reference_batch,
         steps_per_epoch=steps_per_epoch,
         duration_unit=duration_unit,
         run_length=run_length,
         warmup=warmup,
-        stages=_resolve_stages(config, patch, data.num_train),
+        stages=stages,
         eval_every_epochs=config.train.eval_every_epochs,
         checkpoint_every_epochs=config.checkpoint.every_epochs,
+        world=world,
     )
 
 
@@ -706,10 +763,12 @@ __all__ = [
     "Hardware",
     "ModelConfig",
     "OptimConfig",
+    "ParallelConfig",
     "Plan",
     "ScheduleConfig",
     "Stage",
     "TrainConfig",
+    "World",
     "build_config",
     "config_to_yaml",
     "parse_duration_s",

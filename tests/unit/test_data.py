@@ -193,3 +193,33 @@ def test_jpeg_decodes_at_reduced_scale_for_small_outputs(tmp_path):
     assert decoded_size(40) == (64, 48)  # 1/4 scale: the short side 48 >= 40
     assert decoded_size(90) == (128, 96)  # 1/2 scale: 96 >= 90
     assert decoded_size(200) == (256, 192)  # no reduction when the output needs every pixel
+
+
+@pytest.mark.parametrize("source", ["memory", "files"])
+def test_ranks_take_slices_of_the_same_global_batches(source, tiny_fmnist, tiny_imagefolder):
+    """Two ranks' batches, put side by side, are the one-process batches (images and labels), and
+    their eval shards cover the eval set once; also from a mid-epoch position."""
+    from vitrain.config import World
+
+    if source == "memory":
+        overrides = [f"data.root={tiny_fmnist}", "train.batch_size=64", "train.eval_batch_size=50"]
+    else:
+        overrides = ["data.name=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16"]
+        overrides += ["train.batch_size=4", "train.eval_batch_size=4", "data.num_workers=0", "model.patch_size=4"]
+    config = make_config(*overrides)
+
+    def batches(world, start=0):
+        train, evaluation = build_loaders(make_plan(config, world))
+        train.start_epoch(1, start)
+        return _collect(train), _collect(evaluation)
+
+    (single, single_eval), halves = batches(World()), [batches(World(rank, 2, rank)) for rank in range(2)]
+    assert len(single) == len(halves[0][0]) == len(halves[1][0])
+    for (images, labels), first, second in zip(single, halves[0][0], halves[1][0], strict=True):
+        assert torch.equal(images, torch.cat([first[0], second[0]])) and torch.equal(
+            labels, torch.cat([first[1], second[1]])
+        )
+    eval_labels = sorted(torch.cat([labels for _, labels in halves[0][1] + halves[1][1]]).tolist())
+    assert eval_labels == sorted(torch.cat([labels for _, labels in single_eval]).tolist())
+    (later, _), later_half = batches(World(), 4 * 2), batches(World(1, 2, 1), 4 * 2)[0]
+    assert all(torch.equal(whole[0][-len(half[0]) :], half[0]) for whole, half in zip(later, later_half, strict=True))

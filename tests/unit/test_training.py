@@ -204,3 +204,27 @@ def test_channels_last_converts_model_and_input_and_trains_the_same(small_synthe
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not model.conv1.weight.is_contiguous()
     assert nhwc == pytest.approx(plain, rel=1e-4)
+
+
+def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides):
+    """Batch 16 in micro-batches of 8, and of 6 (pieces 6, 6, 4): the gradients of the batch at once,
+    and the same losses over three steps (weights are not compared after AdamW: it normalizes the
+    float noise of gradients that are zero in exact arithmetic, such as the key bias's)."""
+    from vitrain.bench.throughput import synthetic_batch
+    from vitrain.train.loop import build_training_step
+
+    def train_steps(*extra):
+        plan = make_plan(make_config(*small_synthetic_overrides, *extra))
+        step = build_training_step(plan)
+        images, labels = synthetic_batch(plan)
+        losses = [step(images, labels)[0].item()]
+        gradients = {name: p.grad.clone() for name, p in step.model.named_parameters()}
+        losses += [step(images, labels)[0].item() for _ in range(2)]
+        return losses, gradients
+
+    reference_losses, reference = train_steps()
+    for micro in (8, 6):
+        losses, gradients = train_steps(f"train.micro_batch_size={micro}")
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        for name in reference:
+            assert torch.allclose(gradients[name], reference[name], rtol=1e-4, atol=1e-7), name

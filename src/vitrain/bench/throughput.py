@@ -27,10 +27,12 @@ from torch import nn
 from vitrain.bench.memory import PeakMemory
 from vitrain.config import ConfigError, Plan
 from vitrain.data import Normalize
+from vitrain.data.loader import derive_seed
 from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
+from vitrain.train.attention_probe import attention_impl
 from vitrain.train.loop import build_training_step
 
 log = logging.getLogger("vitrain")
@@ -91,11 +93,12 @@ def bench_overrides(
 
 
 def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random uint8 images of the plan's shape, normalized on the device, and random labels."""
-    generator = torch.Generator().manual_seed(seed)
-    size = plan.config.data.image_size
-    images = torch.randint(0, 256, (plan.global_batch, plan.in_chans, size, size), generator=generator)
-    labels = torch.randint(0, plan.num_classes, (plan.global_batch,), generator=generator)
+    """Random uint8 images of the plan's shape (this process's share of the global batch), normalized
+    on the device, and random labels."""
+    generator = torch.Generator().manual_seed(seed if plan.world.size == 1 else derive_seed(seed, plan.world.rank))
+    size, batch = plan.config.data.image_size, plan.global_batch // plan.world.size
+    images = torch.randint(0, 256, (batch, plan.in_chans, size, size), generator=generator)
+    labels = torch.randint(0, plan.num_classes, (batch,), generator=generator)
     normalize = Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last)
     return normalize(images.to(torch.uint8).to(plan.device)), labels.to(plan.device)
 
@@ -144,12 +147,12 @@ def time_training_steps(
 def throughput_record(
     plan: Plan, times: StepTimes, settings: BenchSettings, flops_per_image: int, memory: PeakMemory
 ) -> dict[str, Any]:
-    """The measured figures of one benchmark: img/s, ms/step, FLOPs, MFU, peak memory."""
-    batch = plan.global_batch
+    """The measured figures of one benchmark: img/s (global), ms/step, FLOPs, MFU per device, peak memory."""
+    batch, devices = plan.global_batch, plan.world.size
     rates = [batch * settings.steps / seconds for seconds in times.window_s]
     train_flops_per_step = 3 * flops_per_image * batch  # backward costs twice the forward
     img_s_median = statistics.median(rates)
-    achieved_tflops = train_flops_per_step / batch * img_s_median / 1e12
+    achieved_tflops = train_flops_per_step / batch * img_s_median / devices / 1e12  # per device
     peak = peak_flops(plan.device, plan.precision)
     mfu, mfu_reason = None, peak.source
     if peak.tflops and achieved_tflops > peak.tflops:
@@ -160,7 +163,9 @@ def throughput_record(
     elif peak.tflops:
         mfu, mfu_reason = achieved_tflops / peak.tflops, None
     return {
+        "world_size": devices,
         "img_s_median": img_s_median,
+        "img_s_per_device": img_s_median / devices,
         "img_s_min": min(rates),
         "img_s_max": max(rates),
         "step_ms_median": 1000 * statistics.median(times.window_s) / settings.steps,
@@ -234,7 +239,7 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
         **describe_run(plan, settings),
         "precision_mode": plan.precision_mode,
         "optimizer": f"{optim.name} {optim.implementation} (vitrain build_optimizer)",
-        "attn_impl": getattr(getattr(model, "args", None), "attn_impl", None),
+        "attn_impl": attention_impl(model),
         "grad_clip": optim.grad_clip,
         "num_params": num_parameters(model),
         **throughput_record(plan, times, settings, model_flops(model, plan.config.data.image_size), memory),

@@ -26,7 +26,7 @@ from vitrain.bench.throughput import (
     throughput_record,
     time_training_steps,
 )
-from vitrain.config import MODEL_OPTIONS, ConfigError, Plan
+from vitrain.config import ConfigError, Plan, model_overrides
 from vitrain.models import ViTArgs, VOLOArgs, build_model, model_spec, num_parameters
 from vitrain.models.flops import model_flops, vit_flops
 from vitrain.train.step import autocast_context, build_grad_scaler
@@ -58,7 +58,7 @@ def _planned_model(plan: Plan) -> nn.Module:
         img_size=plan.config.data.image_size,
         in_chans=plan.in_chans,
         num_classes=plan.num_classes,
-        **{option: getattr(plan.config.model, option) for option in MODEL_OPTIONS},
+        **model_overrides(plan.config.model),
     )
 
 

@@ -6,6 +6,11 @@ Each loader yields ``(uint8 images (B, C, H, W), int64 labels)``, is shaped with
 ``(seed, epoch, position)``, so a resumed run sees exactly the images the uninterrupted run
 would have seen, whatever the worker count, restarts or stage changes. An epoch drops the
 remainder that does not fill a training batch.
+
+With several processes (``plan.world``), batch sizes are global: every rank walks the same global
+batches and takes its contiguous slice of each (rank r: images r*b .. (r+1)*b - 1 of the batch,
+b = global / world size), so the ranks together see exactly what one process would see. Evaluation
+shards the eval set (rank r: samples r, r + world, ...); the accuracy sums are reduced across ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class InMemoryLoader:
 
     def __init__(self, dataset: sources.InMemoryDataset, plan: Plan, train: bool):
         self.dataset, self.train = dataset, train
+        self.rank, self.world_size = plan.world.rank, plan.world.size
         self.config = plan.config.data
         self.seed = plan.config.train.seed
         self.image_size = self.config.image_size
@@ -58,45 +64,76 @@ class InMemoryLoader:
     def __len__(self) -> int:
         if self.train:
             return len(self.dataset) // self.batch_size
-        return -(-len(self.dataset) // self.batch_size)
+        return -(-len(self._eval_indices()) // (self.batch_size // self.world_size))
 
     def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.epoch, self.start_sample = epoch, start_sample
 
+    def _eval_indices(self) -> torch.Tensor:
+        return torch.arange(self.rank, len(self.dataset), self.world_size)
+
     def __iter__(self) -> Iterator[Batch]:
+        return self._train_batches() if self.train else self._eval_batches()
+
+    def _train_batches(self) -> Iterator[Batch]:
         count, batch = len(self.dataset), self.batch_size
-        order = epoch_permutation(count, self.seed, self.epoch) if self.train else torch.arange(count)
+        order = epoch_permutation(count, self.seed, self.epoch)
         device = self.dataset.images.device
-        last_start = count - batch if self.train else count - 1  # training drops the partial batch
-        for start in range(self.start_sample, last_start + 1, batch):
+        local = slice(self.rank * batch // self.world_size, (self.rank + 1) * batch // self.world_size)
+        for start in range(self.start_sample, count - batch + 1, batch):  # drops the partial batch
             indices = order[start : start + batch].to(device)
             images, labels = self.dataset.images[indices], self.dataset.labels[indices]
-            if self.train:
-                generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, start))
-                images = batch_random_resized_crop(
-                    images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
-                )
-            else:
-                images = batch_eval_resize(images, self.image_size, self.config.crop_pct)
-            yield images, labels
+            generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, start))
+            # the whole global batch draws its crops (cheap at in-memory sizes), so every image gets
+            # the crop it gets in a one-process run; this rank keeps its slice
+            images = batch_random_resized_crop(
+                images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
+            )
+            yield images[local], labels[local]
+
+    def _eval_batches(self) -> Iterator[Batch]:
+        indices, batch = self._eval_indices().to(self.dataset.images.device), self.batch_size // self.world_size
+        for start in range(0, len(indices), batch):
+            chunk = indices[start : start + batch]
+            images = batch_eval_resize(self.dataset.images[chunk], self.image_size, self.config.crop_pct)
+            yield images, self.dataset.labels[chunk]
 
 
 class SeededSampler(Sampler):
-    """Yields ``(index, sample_seed)``: an epoch-seeded permutation (or identity), from a start."""
+    """Yields ``(index, sample_seed)``: an epoch-seeded permutation (or identity), from a start.
 
-    def __init__(self, count: int, seed: int, shuffle: bool):
+    With ``world_size`` > 1, training positions go by global batches of ``batch_size`` and this rank
+    yields its slice of each; evaluation (no shuffle) yields every ``world_size``-th sample."""
+
+    def __init__(self, count: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
         self.count, self.seed, self.shuffle = count, seed, shuffle
-        self.epoch, self.start = 0, 0
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.start, self.batch_size = 0, 0, 1
 
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
 
+    def set_batch_size(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def positions(self) -> range | list[int]:
+        if self.world_size == 1:
+            return range(self.start, self.count)
+        if not self.shuffle:
+            return range(self.start + self.rank, self.count, self.world_size)
+        local = self.batch_size // self.world_size
+        return [
+            batch_start + self.rank * local + offset
+            for batch_start in range(self.start, self.count - self.batch_size + 1, self.batch_size)
+            for offset in range(local)
+        ]
+
     def __len__(self) -> int:
-        return self.count - self.start
+        return len(self.positions())
 
     def __iter__(self):
         order = epoch_permutation(self.count, self.seed, self.epoch) if self.shuffle else torch.arange(self.count)
-        for position in range(self.start, self.count):
+        for position in self.positions():
             index = int(order[position])
             yield index, derive_seed(self.seed, self.epoch, index)
 
@@ -147,7 +184,8 @@ class FileLoader:
 
     def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
         self.samples, self.plan, self.train = samples, plan, train
-        self.sampler = SeededSampler(len(samples), plan.config.train.seed, shuffle=train)
+        world = plan.world
+        self.sampler = SeededSampler(len(samples), plan.config.train.seed, train, world.rank, world.size)
         self.image_size, self.batch_size, self.loader = 0, 0, None
         self.configure(plan.config.data.image_size, plan.global_batch if train else plan.eval_batch)
 
@@ -161,9 +199,10 @@ class FileLoader:
         )
         dataset = ImageFileDataset(self.samples, transform, draft_size(config, image_size, self.train))
         workers = config.num_workers
+        self.sampler.set_batch_size(batch_size)
         self.loader = DataLoader(
             dataset,
-            batch_size=batch_size,
+            batch_size=batch_size // self.plan.world.size,
             sampler=self.sampler,
             drop_last=self.train,
             num_workers=workers,
@@ -173,9 +212,7 @@ class FileLoader:
         )
 
     def __len__(self) -> int:
-        if self.train:
-            return len(self.samples) // self.batch_size
-        return -(-len(self.samples) // self.batch_size)
+        return len(self.loader)
 
     def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.sampler.set_position(epoch, start_sample)

@@ -1,5 +1,5 @@
 """Metrics: the JSONL record is the source of truth; console output is derived from it."""
 
-from vitrain.metrics.records import JsonlWriter, read_jsonl, run_environment
+from vitrain.metrics.records import JsonlWriter, NullWriter, read_jsonl, run_environment
 
-__all__ = ["JsonlWriter", "read_jsonl", "run_environment"]
+__all__ = ["JsonlWriter", "NullWriter", "read_jsonl", "run_environment"]

@@ -30,6 +30,16 @@ class JsonlWriter:
         self.handle.close()
 
 
+class NullWriter:
+    """The metrics writer of ranks other than 0: rank 0 writes the run's records."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in Path(path).read_text().splitlines():

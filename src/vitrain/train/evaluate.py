@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain.parallel.distributed import all_reduce_
 from vitrain.train.step import autocast_context
 
 
@@ -38,7 +39,7 @@ def evaluate(
             ]
         )
     model.train(was_training)
-    count, top1, top5, loss = totals.tolist()
+    count, top1, top5, loss = all_reduce_(totals).tolist()  # several processes: each evaluated its shard
     if count == 0:
         raise ValueError("evaluation loader produced no samples")
     return {"top1": 100.0 * top1 / count, "top5": 100.0 * top5 / count, "loss": loss / count, "num_samples": int(count)}

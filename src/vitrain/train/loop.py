@@ -21,11 +21,14 @@ from torch import nn
 from tqdm import tqdm
 
 from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
-from vitrain.config import MODEL_OPTIONS, ConfigError, Plan, Stage, config_to_yaml
+from vitrain.config import ConfigError, Plan, Stage, config_to_yaml, model_overrides
 from vitrain.data import Normalize, build_loaders
-from vitrain.metrics import JsonlWriter, run_environment
+from vitrain.data.loader import derive_seed
+from vitrain.metrics import JsonlWriter, NullWriter, run_environment
 from vitrain.models import build_model, load_pretrained, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
+from vitrain.parallel.distributed import all_reduce_, barrier, broadcast_object, rank0_value, wrap_data_parallel
+from vitrain.train.attention_probe import choose_attention
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
@@ -50,8 +53,12 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
         img_size=plan.config.data.image_size,
         in_chans=plan.in_chans,
         num_classes=plan.num_classes,
-        **{option: getattr(model_config, option) for option in MODEL_OPTIONS},
+        **model_overrides(model_config),
     )
+    if model_config.attn_impl == "auto":  # shapes from a meta-device forward, before materializing
+        size = plan.config.data.image_size
+        images = torch.empty(1, plan.in_chans, size, size, device="meta")
+        choose_attention(model, images, plan.config.train.batch_size, plan.precision, plan.precision_mode, plan.device)
     model.to_empty(device=device or plan.device)
     model.init_weights()
     return model
@@ -118,10 +125,13 @@ def build_training_step(plan: Plan) -> TrainStep:
         plan.config.optim.grad_clip,
         plan.precision_mode,
     )
+    step.micro_batch = plan.config.train.micro_batch_size
     if plan.config.train.activation_checkpointing:  # on the module that runs (O2: the low-precision copy)
-        apply_activation_checkpointing(
-            step.low_precision.compute if step.low_precision else model, plan.config.train.activation_checkpointing
-        )
+        apply_activation_checkpointing(step.forward_module, plan.config.train.activation_checkpointing)
+    if plan.world.size > 1:
+        step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
+        # the same weights everywhere (seeded alike), but each rank its own dropout / drop-path draws
+        torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.rank))
     return step
 
 
@@ -205,6 +215,7 @@ def _write_summary(
         "precision_mode": plan.precision_mode,
         "epochs": state.epoch_position(plan.num_train),
         "steps": state.step,
+        "world_size": plan.world.size,
         "images_seen": state.images_seen,
         "best_top1": state.best_top1,
         "final_top1": state.last_eval["top1"] if state.last_eval else None,
@@ -217,7 +228,8 @@ def _write_summary(
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
         **run_environment(plan.device),
     }
-    (plan.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if plan.world.is_main:
+        (plan.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -238,8 +250,12 @@ class Trainer:
     # --- clocks and position -----------------------------------------------------------------
 
     def train_seconds(self) -> float:
-        """Training seconds of the run so far, the open window included (host clock, no sync)."""
-        return self.run.state.train_s + (self.clock() - self.window_started)
+        """Training seconds of the run so far, the open window included (host clock, no device sync).
+        Several processes on a budget all take rank 0's clock, so they agree on LR, stages and the stop."""
+        seconds = self.run.state.train_s + (self.clock() - self.window_started)
+        if self.plan.world.size > 1 and self.plan.duration_unit == "seconds":
+            seconds = rank0_value(seconds, self.plan.device)
+        return seconds
 
     def progress(self) -> float:
         return run_progress(self.plan, self.run.state, self.train_seconds())
@@ -279,14 +295,16 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         started = self.clock()
-        path = self.run.checkpoints.save(self.run.checkpoint_payload(), self.run.state.step)
+        if self.plan.world.is_main:  # DDP: every rank holds the same state; one writes it
+            path = self.run.checkpoints.save(self.run.checkpoint_payload(), self.run.state.step)
+            log.info("saved %s", path)
+        barrier()  # no rank runs ahead of a checkpoint it might need to resume from
         self.run.state.checkpoint_s += self.clock() - started
         self.last_checkpoint_step = self.run.state.step
-        log.info("saved %s", path)
 
     def _progress_bar(self) -> tqdm:
         mode = self.plan.config.train.progress
-        disabled = not sys.stderr.isatty() if mode == "auto" else not mode
+        disabled = (not sys.stderr.isatty() if mode == "auto" else not mode) or not self.plan.world.is_main
         unit = {"steps": "step", "samples": "img", "seconds": "s"}[self.plan.duration_unit]
         return tqdm(
             total=round(self.plan.run_length),
@@ -306,7 +324,7 @@ class Trainer:
         if self.window_images == 0 or self.last_outputs is None:
             return
         loss, grad_norm = self.last_outputs
-        loss_value = loss.item()  # the host sync of the window
+        loss_value = all_reduce_(loss.detach().float().clone(), "mean").item()  # the host sync of the window
         if not math.isfinite(loss_value):
             raise TrainingDiverged(
                 f"loss is {loss_value} at step {state.step} (lr {self.run.optimizer.param_groups[0]['lr']:.3g}); "
@@ -377,9 +395,10 @@ class Trainer:
             images = run.normalize(images.to(plan.device, non_blocking=True))
             self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
             state.step += 1
-            state.images_seen += len(labels)
-            state.epoch_images += len(labels)
-            self.window_images += len(labels)
+            images_in_step = len(labels) * plan.world.size  # the global batch
+            state.images_seen += images_in_step
+            state.epoch_images += images_in_step
+            self.window_images += images_in_step
             position = min(1.0, self.progress()) * plan.run_length
             progress.update(round(position) - progress.n)
             if state.step % plan.config.train.log_every_steps == 0:
@@ -425,7 +444,7 @@ class Trainer:
 def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary.
     ``clock`` (seconds) measures training time, hence budgets; tests inject a fake one."""
-    checkpoint_path = find_resume_checkpoint(resume, plan)
+    checkpoint_path = broadcast_object(find_resume_checkpoint(resume, plan))  # rank 0's view of the folder
     if checkpoint_path is not None:
         plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
     elif resume == "auto":
@@ -436,8 +455,9 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         log.info("resumed from %s at step %d", checkpoint_path, run.state.step)
     elif plan.config.train.init_from is not None:
         apply_init_from(run, Path(plan.config.train.init_from))
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
-    (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
+    if plan.world.is_main:
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
     log.info(
         "%s: %s params, %s at batch %d, lr %.3g, %s on %s -> %s",
         plan.config.model.name,
@@ -449,7 +469,10 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         plan.device,
         plan.out_dir,
     )
-    metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
+    if plan.world.is_main:
+        metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
+    else:
+        metrics = NullWriter()
     try:
         return Trainer(run, metrics, clock).train()
     finally:

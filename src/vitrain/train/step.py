@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_context(precision: str, device: str) -> contextlib.AbstractContextManager:
     """Autocast for bf16/fp16; a no-op for fp32."""
-    if precision not in _AUTOCAST_DTYPES:
+    if precision not in LOW_PRECISION_DTYPES:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=_AUTOCAST_DTYPES[precision])
+    return torch.autocast(torch.device(device).type, dtype=LOW_PRECISION_DTYPES[precision])
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -102,28 +102,45 @@ class TrainStep:
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = None
         self.full_dtype = None  # "full": the model itself holds low-precision weights, no master copy
-        if precision_mode == "o2" and precision in _AUTOCAST_DTYPES:
-            self.low_precision = LowPrecisionWeights(model, _AUTOCAST_DTYPES[precision])
-        elif precision_mode == "full" and precision in _AUTOCAST_DTYPES:
-            self.full_dtype = _AUTOCAST_DTYPES[precision]
+        if precision_mode == "o2" and precision in LOW_PRECISION_DTYPES:
+            self.low_precision = LowPrecisionWeights(model, LOW_PRECISION_DTYPES[precision])
+        elif precision_mode == "full" and precision in LOW_PRECISION_DTYPES:
+            self.full_dtype = LOW_PRECISION_DTYPES[precision]
             to_compute_dtype(model, self.full_dtype)  # in place: the optimizer's parameters stay the same objects
+        # the module each step calls: the model or its O2 copy, possibly wrapped (DDP) from outside
+        self.forward_module: nn.Module = self.low_precision.compute if self.low_precision else model
+        self.micro_batch: int | None = None  # gradient accumulation: images per forward/backward
 
     def weights_changed(self) -> None:
         """Call after loading weights into the model (resume) so the compute copy follows."""
         if self.low_precision is not None:
             self.low_precision.push_weights()
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.optimizer.zero_grad(set_to_none=True)
+    def _forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.low_precision is not None:
-            logits = self.low_precision.compute(images.to(self.low_precision.dtype))
-        elif self.full_dtype is not None:
-            logits = self.model(images.to(self.full_dtype))
-        else:
-            with autocast_context(self.precision, self.device):
-                logits = self.model(images)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
-        self.scaler.scale(loss).backward()
+            return self.forward_module(images.to(self.low_precision.dtype))
+        if self.full_dtype is not None:
+            return self.forward_module(images.to(self.full_dtype))
+        with autocast_context(self.precision, self.device):
+            return self.forward_module(images)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step on the batch; with ``micro_batch`` set, gradients are accumulated over
+        micro-batches of that size (each loss weighted by its share, so the update is the batch's) and
+        DDP reduces them once, on the last."""
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = self.micro_batch or len(labels)
+        pieces = list(zip(images.split(micro), labels.split(micro), strict=True))
+        loss = torch.zeros((), device=labels.device)
+        for index, (piece_images, piece_labels) in enumerate(pieces):
+            last = index == len(pieces) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.forward_module, "no_sync") else None
+            with sync or self.forward_module.no_sync():
+                logits = self._forward(piece_images)
+                share = len(piece_labels) / len(labels)
+                piece_loss = F.cross_entropy(logits.float(), piece_labels, label_smoothing=self.label_smoothing) * share
+                self.scaler.scale(piece_loss).backward()
+            loss += piece_loss.detach()
         if self.low_precision is not None:
             self.low_precision.pull_grads()
         grad_norm = None
@@ -134,4 +151,4 @@ class TrainStep:
         self.scaler.update()
         if self.low_precision is not None:
             self.low_precision.push_weights()
-        return loss.detach(), grad_norm
+        return loss, grad_norm

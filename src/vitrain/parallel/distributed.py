@@ -1,0 +1,83 @@
+"""torch.distributed for runs launched by torchrun (or srun + torchrun): the process group from the
+environment, and the few collectives the loop needs. Nothing here is home-made communication:
+NCCL on GPUs, gloo on CPUs, torch's DistributedDataParallel for the model."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from vitrain.config import World
+
+log = logging.getLogger("vitrain")
+
+
+def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
+    """Join the run's process group (a no-op for one process). Collectives that wait longer than
+    ``timeout_s`` raise, so a dead or stuck peer fails the job instead of hanging it."""
+    if world.size == 1 or dist.is_initialized():
+        return
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=torch.device("cuda", world.local_rank) if cuda else None,
+    )
+    log.info("process group: rank %d of %d (%s)", world.rank, world.size, dist.get_backend())
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (run folder names, timestamps)."""
+    if not active():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In place: the sum (or mean, max) over ranks; unchanged for one process."""
+    if active():
+        if op == "mean":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor /= dist.get_world_size()
+        else:
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
+def rank0_value(value: float, device: str) -> float:
+    """Rank 0's float on every rank: decisions every rank must take alike (the budget's clock)."""
+    if not active():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(tensor, src=0)
+    return float(tensor.item())
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def wrap_data_parallel(module: nn.Module, device: str) -> nn.Module:
+    """DDP over the module that computes (the O2 copy under O2): gradients are averaged across ranks
+    in buckets during the backward pass; rank 0's weights and buffers are broadcast at wrap time."""
+    device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return DistributedDataParallel(module, device_ids=device_ids)

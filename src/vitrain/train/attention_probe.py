@@ -1,0 +1,150 @@
+"""``model.attn_impl=auto``: choose SDPA or the explicit matmul path by measurement, per shape.
+
+Which attention kernel is fastest depends on the device, the dtype, the sequence length and the
+batch (on a 2-core AMX CPU, SDPA's flash kernel spent half the step in its backward at 65 tokens
+while explicit matmuls ran 1.7x faster; on GPUs flash attention wins from a few hundred tokens).
+So the choice is not a table of habits: at model build, a meta-device forward finds each attention
+layer's (tokens, width, heads); both paths are timed on one layer of that shape (forward + backward,
+the run's precision policy and batch); the faster is set on every layer of the shape. Results are
+cached in ``$VITRAIN_CACHE_DIR`` (default ``~/.cache/vitrain``) under the device, torch version,
+thread count and shape, so the probe runs once per machine and shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vitrain.metrics.records import run_environment
+from vitrain.models.layers import Attention
+from vitrain.train.step import LOW_PRECISION_DTYPES, autocast_context
+
+log = logging.getLogger("vitrain")
+
+IMPLEMENTATIONS = ("sdpa", "matmul")
+Shape = tuple[int, int, int]  # tokens, width, heads
+
+
+def cache_path() -> Path:
+    root = (
+        os.environ.get("VITRAIN_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vitrain"
+    )
+    return Path(root) / "attention.json"
+
+
+def attention_shapes(model: nn.Module, images: torch.Tensor) -> dict[Shape, list[Attention]]:
+    """Attention layers grouped by the (tokens, width, heads) they see for ``images`` (meta tensors work)."""
+    shapes: dict[Shape, list[Attention]] = {}
+
+    def record(module: Attention, inputs: tuple[torch.Tensor, ...]) -> None:
+        _, tokens, width = inputs[0].shape
+        shapes.setdefault((tokens, width, module.num_heads), []).append(module)
+
+    handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, Attention)]
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shapes
+
+
+def time_attention(impl: str, shape: Shape, batch: int, precision: str, mode: str, device: str) -> float:
+    """Median seconds of one forward + backward of an attention layer of ``shape``."""
+    tokens, width, heads = shape
+    dtype = LOW_PRECISION_DTYPES.get(precision, torch.float32) if mode in ("o2", "full") else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    module = Attention(width, heads, impl=impl, device=device, dtype=dtype)
+    x = torch.randn(batch, tokens, width, device=device, dtype=dtype, generator=generator, requires_grad=True)
+    context = autocast_context(precision, device) if mode == "autocast" else contextlib.nullcontext()
+
+    def run(steps: int) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            with context:
+                out = module(x)
+            out.float().sum().backward()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - started) / steps
+
+    run(2)  # warm-up: kernel selection, allocator
+    return statistics.median(run(3) for _ in range(3))
+
+
+def _key(shape: Shape, batch: int, precision: str, mode: str, device: str) -> str:
+    tokens, width, heads = shape
+    facts = run_environment(device)
+    return (
+        f"{facts['device_name']} x{torch.get_num_threads()} | torch {torch.__version__} | {precision} {mode} | "
+        f"batch {batch}, {tokens} tokens, width {width}, {heads} heads"
+    )
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: measure again
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError as error:  # a read-only home costs a probe per run, not the run
+        log.warning("attention probe: could not cache results in %s (%s)", path, error)
+
+
+def choose_attention(
+    model: nn.Module, images: torch.Tensor, batch: int, precision: str, mode: str, device: str
+) -> dict[Shape, str]:
+    """Set the faster implementation on every attention layer of ``model``; return the choice per shape.
+    ``images``: one input of the run's shape (a meta tensor is enough)."""
+    shapes = attention_shapes(model, images)
+    path = cache_path()
+    cache = _read_cache(path)
+    chosen, measured_any = {}, False
+    for shape, modules in shapes.items():
+        key = _key(shape, batch, precision, mode, device)
+        measured = key not in cache
+        if measured:
+            seconds = {impl: time_attention(impl, shape, batch, precision, mode, device) for impl in IMPLEMENTATIONS}
+            cache[key] = {
+                "impl": min(seconds, key=seconds.get),
+                **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},
+            }
+            measured_any = True
+        entry = cache[key]
+        chosen[shape] = entry["impl"]
+        for module in modules:
+            module.impl = entry["impl"]
+        log.info(
+            "attention: %s for %d tokens x %d wide, %d heads (sdpa %.2f ms, matmul %.2f ms per layer step%s)",
+            entry["impl"],
+            *shape,
+            entry["sdpa_ms"],
+            entry["matmul_ms"],
+            "" if measured else ", cached",
+        )
+    if measured_any:
+        _write_cache(path, cache)
+    return chosen
+
+
+def attention_impl(model: nn.Module) -> str | None:
+    """The implementation the model's attention layers use: one name, ``mixed``, or None without any."""
+    impls = {module.impl for module in model.modules() if isinstance(module, Attention)}
+    return impls.pop() if len(impls) == 1 else ("mixed" if impls else None)

@@ -1,0 +1,76 @@
+"""model.attn_impl=auto: shapes found on the meta device, both paths timed, the faster set and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_config
+from vitrain.cli import make_plan
+from vitrain.models import build_model
+from vitrain.train import attention_probe, build_model_for
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _meta_model(head="cls"):
+    return build_model("vit_tiny6_patch7", device="meta", img_size=28, in_chans=1, head=head)
+
+
+def test_shapes_come_from_a_meta_forward():
+    images = torch.empty(1, 1, 28, 28, device="meta")
+    shapes = attention_probe.attention_shapes(_meta_model("cls"), images)
+    assert {shape: len(modules) for shape, modules in shapes.items()} == {(17, 192, 3): 6}  # 16 patches + CLS
+    shapes = attention_probe.attention_shapes(_meta_model("gap"), torch.empty(1, 1, 56, 56, device="meta"))
+    assert list(shapes) == [(64, 192, 3)]  # another resolution: the resampled grid
+
+
+def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch):
+    timed = []
+
+    def fake_timing(impl, shape, batch, precision, mode, device):
+        timed.append((impl, shape, batch, precision, mode))
+        return {"sdpa": 2e-3, "matmul": 1e-3}[impl]
+
+    monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
+    model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
+    assert attention_probe.choose_attention(model, images, 64, "bf16", "o2", "cpu") == {(17, 192, 3): "matmul"}
+    assert attention_probe.attention_impl(model) == "matmul"
+    assert sorted(impl for impl, *_ in timed) == ["matmul", "sdpa"] and timed[0][1:] == ((17, 192, 3), 64, "bf16", "o2")
+    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    assert entry == {"impl": "matmul", "sdpa_ms": 2.0, "matmul_ms": 1.0}
+
+    def refuse(*args):
+        raise RuntimeError("cached shape timed again")
+
+    monkeypatch.setattr(attention_probe, "time_attention", refuse)
+    again = _meta_model()
+    attention_probe.choose_attention(again, images, 64, "bf16", "o2", "cpu")
+    assert attention_probe.attention_impl(again) == "matmul"
+    with pytest.raises(RuntimeError, match="timed again"):  # another batch is another key
+        attention_probe.choose_attention(_meta_model(), images, 32, "bf16", "o2", "cpu")
+
+
+def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, small_synthetic_overrides):
+    plan = make_plan(make_config(*small_synthetic_overrides, "model.attn_impl=auto"))
+    model = build_model_for(plan)
+    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    assert entry["impl"] in attention_probe.IMPLEMENTATIONS and entry["sdpa_ms"] > 0 and entry["matmul_ms"] > 0
+    assert attention_probe.attention_impl(model) == entry["impl"]
+    assert model(torch.randn(2, plan.in_chans, 14, 14)).shape == (2, plan.num_classes)
+
+
+def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: cannot exist
+    monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: {"sdpa": 1.0, "matmul": 2.0}[impl])
+    model = _meta_model()
+    attention_probe.choose_attention(model, torch.empty(1, 1, 28, 28, device="meta"), 8, "fp32", "autocast", "cpu")
+    assert attention_probe.attention_impl(model) == "sdpa"
