@@ -202,7 +202,7 @@ def test_scaling_sweep_runs_each_world_size_and_reports_efficiency(tmp_path, cap
     result = json.loads(record.read_text())
     rows = result["rows"]
     assert [(row["processes"], row["global_batch"]) for row in rows] == [(1, 4), (2, 8)]  # weak scaling
-    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[0]["efficiency"] == pytest.approx(1.0) == rows[0]["speedup"]
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["img_s"] / (2 * rows[0]["img_s"]))
     assert [run["world_size"] for run in result["runs"]] == [1, 2]
     assert "scaling efficiency" in capsys.readouterr().out
