@@ -24,6 +24,7 @@ from vitrain.cli import make_plan
 from vitrain.config import build_config
 from vitrain.metrics import read_jsonl
 from vitrain.recipes import get_recipe
+from vitrain.report import pyplot
 from vitrain.train import train
 
 VARIANTS = {
@@ -82,12 +83,8 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
 
 
 def plot(runs: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(7, 4.5))
     colors = dict(zip(VARIANTS, ("tab:gray", "tab:orange", "tab:blue", "tab:green"), strict=True))

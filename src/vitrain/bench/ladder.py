@@ -17,6 +17,7 @@ from typing import Any
 
 from vitrain.bench.throughput import BenchSettings, measure_training_step
 from vitrain.config import Plan
+from vitrain.report import pyplot
 
 log = logging.getLogger("vitrain")
 
@@ -106,12 +107,8 @@ def format_ladder(result: dict[str, Any]) -> str:
 
 def plot_ladder(result: dict[str, Any], path: Path, title: str) -> bool:
     """A bar chart of the speed-up per rung (PNG); False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = result["rungs"]
     figure, axes = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vitrain.report import pyplot
+
 log = logging.getLogger("vitrain")
 
 
@@ -79,12 +81,8 @@ def format_scaling(result: dict[str, Any]) -> str:
 
 def plot_scaling(result: dict[str, Any], path: Path, title: str) -> bool:
     """Global img/s against processes, with the ideal line; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = result["rows"]
     counts = [row["processes"] for row in rows]
