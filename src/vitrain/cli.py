@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     finetune = commands.add_parser(
         "finetune", help="train from a checkpoint's weights at another resolution and/or class count"
     )
-    finetune.add_argument("--from", dest="init_from", required=True, type=Path, help="a checkpoint file to start from")
+    finetune.add_argument(
+        "--from", dest="init_from", required=True, type=Path, help="a checkpoint (file or sharded folder) to start from"
+    )
     finetune.add_argument(
         "--recipe", default=None, help="fine-tuning recipe (default: the checkpoint's own config, as '<recipe>_ft')"
     )
@@ -62,9 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its configured data")
     evaluate.add_argument(
-        "--checkpoint", required=True, type=Path, help="a checkpoint file (runs/.../checkpoints/step-*.pt)"
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="a checkpoint (runs/.../checkpoints/step-*: file or sharded folder)",
     )
     _add_config_arguments(evaluate, with_recipe=False)
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model weights (file or sharded folder) as one safetensors file"
+    )
+    export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* (file or folder)")
+    export.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
 
     show = commands.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_arguments(show)
@@ -218,13 +229,13 @@ def command_train(args: argparse.Namespace) -> int:
 
 def command_finetune(args: argparse.Namespace) -> int:
     """``train`` with ``train.init_from``; without --recipe the checkpoint's config is the base."""
-    from vitrain.checkpoint import load_checkpoint
+    from vitrain.checkpoint.sharded import read_checkpoint_model
     from vitrain.train import train
 
     if args.recipe is not None:
         base = get_recipe(args.recipe)
     else:
-        base = Config.model_validate(load_checkpoint(args.init_from)["config"])
+        base = Config.model_validate(read_checkpoint_model(args.init_from)[1]["config"])
         base.recipe = f"{base.recipe}_ft"
     config = load_config(base, args)
     config.train.init_from = args.init_from
@@ -235,19 +246,28 @@ def command_finetune(args: argparse.Namespace) -> int:
 
 
 def command_eval(args: argparse.Namespace) -> int:
-    from vitrain.checkpoint import load_checkpoint
+    from vitrain.checkpoint.sharded import read_checkpoint_model
     from vitrain.data import Normalize, build_loaders
     from vitrain.train import build_model_for
     from vitrain.train.evaluate import evaluate
 
-    payload = load_checkpoint(args.checkpoint)
-    config = load_config(Config.model_validate(payload["config"]), args)
+    weights, info = read_checkpoint_model(args.checkpoint)
+    config = load_config(Config.model_validate(info["config"]), args)
+    config.parallel.strategy = "ddp"  # one process evaluates, whatever sharded the training run
     plan = make_plan(config)
     model = build_model_for(plan)
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(weights)
     _, eval_loader = build_loaders(plan)
     result = evaluate(model, eval_loader, Normalize(plan.mean, plan.std, plan.device), plan.precision, plan.device)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "step": payload["state"]["step"], **result}))
+    print(json.dumps({"checkpoint": str(args.checkpoint), "step": info["state"]["step"], **result}))
+    return 0
+
+
+def command_export(args: argparse.Namespace) -> int:
+    from vitrain.checkpoint.sharded import export_model
+
+    count = export_model(args.checkpoint, args.out)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(args.out), "tensors": count}))
     return 0
 
 
@@ -367,6 +387,7 @@ def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], sett
 COMMANDS = {
     "train": command_train,
     "eval": command_eval,
+    "export": command_export,
     "show-config": command_show_config,
     "download-fashion-mnist": command_download_fashion_mnist,
     "finetune": command_finetune,

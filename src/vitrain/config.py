@@ -36,6 +36,8 @@ class ModelConfig(Section):
     """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
     mlp_ratio: float | None = Field(None, gt=0.0)
     """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
+    num_heads: int | None = Field(None, ge=1)
+    """Attention heads (must divide the embedding width); the variant's when unset."""
     attn_impl: Literal["auto", "sdpa", "matmul"] | None = None
     """Attention kernel: torch SDPA (flash/efficient/math chosen by torch), explicit matmuls, or auto
     (both timed on this device at the run's shape when the model is built, the faster kept, the result
@@ -202,14 +204,28 @@ class CurriculumConfig(Section):
 class CheckpointConfig(Section):
     every_epochs: int = Field(1, ge=0)
     """Save every N epochs (0: only at the end)."""
+    format: Literal["auto", "file", "sharded"] = "auto"
+    """file: one step-N.pt holding the full model and optimizer (rank 0 writes; FSDP/TP gather first);
+    sharded: a step-N/ folder written by every rank with torch.distributed.checkpoint, loadable at any
+    process count; auto: sharded for fsdp/tp runs of several processes, else file."""
     keep_last: int = Field(2, ge=1)
     """Keep this many newest checkpoints."""
 
 
 class ParallelConfig(Section):
-    strategy: Literal["ddp"] = "ddp"
-    """How several processes (torchrun) share the work: ddp replicates the model and averages gradients
-    (each process takes its slice of every global batch, so the run equals one process's)."""
+    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = "ddp"
+    """How several processes (torchrun) share the work. ddp: every process holds the model, gradients are
+    averaged; fsdp: FSDP2 shards parameters, gradients and optimizer state over the processes (per block,
+    then the root); tp: tensor parallelism inside each ViT block (column-parallel qkv/fc1, row-parallel
+    proj/fc2), every process sees the same batch; fsdp+tp: a 2-D mesh, TP inside groups of parallel.tp_size
+    processes and FSDP across them. In every mode the global batch means what it means in one process."""
+    tp_size: int = Field(0, ge=0)
+    """Processes per tensor-parallel group (fsdp+tp: required; tp: 0 means all processes)."""
+    fsdp_reshard: Literal["zero3", "zero2"] = "zero3"
+    """FSDP: zero3 frees each block's gathered parameters after its forward (least memory, gathers again in
+    backward); zero2 keeps them gathered until the backward (one all-gather per step, more memory)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep the sharded parameters, gradients and optimizer state in host memory (CUDA only)."""
     timeout_s: float = Field(600.0, gt=0.0)
     """Collective timeout: a rank that waits longer (a peer died or hangs) fails the job instead of hanging."""
 
@@ -388,10 +404,22 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    tp_size: int = 1
+    """Processes per tensor-parallel group (set by resolve); they see the same data."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of every global batch this process takes (tensor-parallel peers share one)."""
+        return self.rank // self.tp_size
+
+    @property
+    def data_size(self) -> int:
+        """Number of distinct data slices: processes over the tensor-parallel degree."""
+        return self.size // self.tp_size
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> World:
@@ -432,8 +460,9 @@ class Plan:
     """Curriculum stages in order; the last is the final one (data.image_size, train.batch_size)."""
     eval_every_epochs: int
     checkpoint_every_epochs: int
+    checkpoint_format: Literal["file", "sharded"] = "file"
     world: World = World()
-    """The processes sharing the run; batches are global, each process takes global_batch / world.size."""
+    """The processes sharing the run; batches are global, each data slice takes global_batch / world.data_size."""
 
     @property
     def total_steps(self) -> int | None:
@@ -486,6 +515,7 @@ MODEL_OPTIONS = (
     "patch_size",
     "head",
     "mlp_ratio",
+    "num_heads",
     "attn_impl",
     "attn_softmax_fp32",
     "drop_rate",
@@ -677,6 +707,75 @@ def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, 
     return (*stages, Stage(final_size, config.train.batch_size))
 
 
+def _tensor_parallel_shape(config: Config) -> tuple[int, int] | None:
+    """Heads and FFN width of a model whose blocks tensor parallelism can split (ViT/DeiT blocks with the
+    plain MLP FFN); None for the other families."""
+    from vitrain.models import model_spec
+    from vitrain.models.vit import VisionTransformer
+
+    spec = model_spec(config.model.name)
+    if spec.builder is not VisionTransformer or spec.args.ffn != "mlp":
+        return None
+    ratio = config.model.mlp_ratio or spec.args.mlp_ratio
+    return config.model.num_heads or spec.args.num_heads, spec.args.mlp_dim or int(spec.args.embed_dim * ratio)
+
+
+def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) -> tuple[World, str]:
+    """The world with its tensor-parallel degree, and the checkpoint format; every unsupported combination
+    of strategy, model, precision and process count is refused here, naming the key."""
+    parallel = config.parallel
+    strategy = parallel.strategy
+    tp_size = 1
+    if "tp" in strategy:
+        tp_size = parallel.tp_size or (world.size if strategy == "tp" else 0)
+        _require(
+            tp_size > 0,
+            "parallel.strategy=fsdp+tp needs parallel.tp_size (processes per tensor-parallel group, e.g. the "
+            "GPUs of one node)",
+        )
+        _require(
+            world.size % tp_size == 0 and (strategy == "tp") == (tp_size == world.size),
+            f"parallel.tp_size={tp_size} with {world.size} processes: tp uses all processes (tp_size=0 or "
+            f"{world.size}); fsdp+tp needs a tp_size that divides {world.size} and is smaller",
+        )
+        shape = _tensor_parallel_shape(config)
+        _require(
+            shape is not None,
+            f"parallel.strategy={strategy}: tensor parallelism splits ViT/DeiT blocks (attention heads and the "
+            f"MLP FFN); {config.model.name} has other blocks; use parallel.strategy=fsdp or ddp",
+        )
+        heads, hidden = shape
+        _require(
+            heads % tp_size == 0 and hidden % tp_size == 0,
+            f"parallel.tp_size={tp_size} must divide the {heads} attention heads and the FFN width {hidden} of "
+            f"{config.model.name}; choose a tp_size that divides both",
+        )
+    if strategy != "ddp":
+        _require(
+            precision != "fp16",
+            f"parallel.strategy={strategy} with precision=fp16: loss scaling of sharded gradients is not "
+            "supported; use precision=bf16 (no loss scaling needed) or parallel.strategy=ddp",
+        )
+        _require(
+            config.precision_mode != "full" or precision == "fp32",
+            f"parallel.strategy={strategy} with precision_mode=full is not supported; use precision_mode=o2 "
+            "(FSDP: its mixed-precision policy) or autocast",
+        )
+        _require(
+            config.precision_mode != "o2" or precision == "fp32" or "fsdp" in strategy,
+            "parallel.strategy=tp with precision_mode=o2 is not supported; use autocast, or fsdp+tp (FSDP's "
+            "mixed-precision policy is O2)",
+        )
+    _require(
+        not parallel.fsdp_cpu_offload or ("fsdp" in strategy and cuda),
+        "parallel.fsdp_cpu_offload=true needs parallel.strategy=fsdp (or fsdp+tp) on CUDA; remove it",
+    )
+    checkpoint_format = config.checkpoint.format
+    if checkpoint_format == "auto":
+        checkpoint_format = "sharded" if strategy != "ddp" and world.size > 1 else "file"
+    return dataclasses.replace(world, tp_size=tp_size), checkpoint_format
+
+
 FP16_MIN_ADAM_EPS = 1e-4
 """Smallest AdamW eps allowed with fp16 weights: below it, squared gradients under fp16's 6e-8 floor
 leave eps alone in the denominator (measured: eps 1e-8 -> NaN, 1e-6 -> divergence, 1e-4 trains)."""
@@ -709,9 +808,13 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
     )
     _require(
-        config.train.init_from is None or Path(config.train.init_from).is_file(),
-        f"train.init_from={config.train.init_from}: no such checkpoint file; give a runs/.../checkpoints/step-*.pt",
+        config.train.init_from is None
+        or Path(config.train.init_from).is_file()
+        or (Path(config.train.init_from) / "COMPLETE").is_file(),
+        f"train.init_from={config.train.init_from}: no such checkpoint (or an incomplete one); give a "
+        "runs/.../checkpoints/step-* file or sharded folder",
     )
+    world, checkpoint_format = _resolve_parallel(config, world, precision, hardware.cuda_available)
     batch = config.train.batch_size
     duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
@@ -720,10 +823,11 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     for key, size in [("train.batch_size", batch), ("train.eval_batch_size", eval_batch)] + [
         (f"curriculum stage at {stage.image_size} px: batch", stage.batch_size) for stage in stages[:-1]
     ]:
+        slices = world.data_size
         _require(
-            size % world.size == 0,
-            f"{key}={size} is global and must split evenly over the {world.size} processes; "
-            f"use a multiple of {world.size}",
+            size % slices == 0,
+            f"{key}={size} is global and must split evenly over the {slices} data-parallel processes; "
+            f"use a multiple of {slices}",
         )
     return Plan(
         config=config,
@@ -748,6 +852,7 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         stages=stages,
         eval_every_epochs=config.train.eval_every_epochs,
         checkpoint_every_epochs=config.checkpoint.every_epochs,
+        checkpoint_format=checkpoint_format,
         world=world,
     )
 

@@ -131,7 +131,7 @@ def test_a_checkpoint_from_two_processes_resumes_in_one(two_process_run, tmp_pat
 def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_path):
     result = torchrun(["train", *_set_args(_overrides(tmp_path / "run", "train.batch_size=15"))])
     assert result.returncode != 0
-    assert "train.batch_size=15 is global and must split evenly over the 2 processes" in result.stderr
+    assert "train.batch_size=15 is global and must split evenly over the 2 data-parallel processes" in result.stderr
 
 
 def _free_port():

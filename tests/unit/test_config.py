@@ -14,6 +14,7 @@ from vitrain.config import (
     ConfigError,
     DatasetInfo,
     Hardware,
+    World,
     build_config,
     config_to_yaml,
     parse_duration_s,
@@ -277,3 +278,41 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "needle"),
+    [
+        (["parallel.strategy=tp"], 2, "must divide the 3 attention heads"),
+        (["parallel.strategy=tp", "model.name=localvit_tiny6_patch7"], 2, "tensor parallelism splits ViT/DeiT blocks"),
+        (["parallel.strategy=tp", "model.name=resnet50"], 2, "use parallel.strategy=fsdp or ddp"),
+        (["parallel.strategy=fsdp+tp", "model.num_heads=6"], 4, "needs parallel.tp_size"),
+        (["parallel.strategy=fsdp+tp", "model.num_heads=6", "parallel.tp_size=3"], 4, "tp_size=3 with 4 processes"),
+        (["parallel.strategy=fsdp", "precision=fp16"], 2, "use precision=bf16"),
+        (["parallel.strategy=fsdp", "precision=bf16", "precision_mode=full"], 2, "precision_mode=full"),
+        (
+            ["parallel.strategy=tp", "model.num_heads=6", "precision=bf16", "precision_mode=o2"],
+            2,
+            "tp with precision_mode=o2",
+        ),
+        (["parallel.strategy=fsdp", "parallel.fsdp_cpu_offload=true"], 2, "fsdp_cpu_offload=true needs"),
+    ],
+)
+def test_unsupported_parallel_combinations_are_refused(overrides, size, needle):
+    config = make_config("model.name=vit_tiny6_patch7", *overrides)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        resolve(config, DATA, CPU_BF16, world=World(rank=0, size=size))
+
+
+def test_tensor_parallel_peers_share_a_data_slice():
+    config = make_config("model.name=vit_tiny6_patch7", "model.num_heads=6", "parallel.strategy=fsdp+tp")
+    config.parallel.tp_size = 2
+    plan = resolve(config, DATA, CPU_ONLY, world=World(rank=3, size=4))
+    assert (plan.world.tp_size, plan.world.data_rank, plan.world.data_size) == (2, 1, 2)
+    assert plan.checkpoint_format == "sharded"
+    config.train.batch_size = 130  # 2 data slices: fine although 130 is not a multiple of the 4 processes
+    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).global_batch == 130
+    config.checkpoint.format = "file"
+    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).checkpoint_format == "file"
+    single = resolve(make_config("model.name=vit_tiny6_patch7", "parallel.strategy=fsdp"), DATA, CPU_ONLY)
+    assert (single.world.tp_size, single.checkpoint_format) == (1, "file")

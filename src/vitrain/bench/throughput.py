@@ -95,8 +95,8 @@ def bench_overrides(
 def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random uint8 images of the plan's shape (this process's share of the global batch), normalized
     on the device, and random labels."""
-    generator = torch.Generator().manual_seed(seed if plan.world.size == 1 else derive_seed(seed, plan.world.rank))
-    size, batch = plan.config.data.image_size, plan.global_batch // plan.world.size
+    generator = torch.Generator().manual_seed(seed if plan.world.size == 1 else derive_seed(seed, plan.world.data_rank))
+    size, batch = plan.config.data.image_size, plan.global_batch // plan.world.data_size
     images = torch.randint(0, 256, (batch, plan.in_chans, size, size), generator=generator)
     labels = torch.randint(0, plan.num_classes, (batch,), generator=generator)
     normalize = Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last)

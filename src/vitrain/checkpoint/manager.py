@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-CHECKPOINT_PATTERN = re.compile(r"^step-(\d{9})\.pt$")
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d{9})(\.pt)?$")
+"""A single-file checkpoint ``step-N.pt`` or a sharded one, the folder ``step-N`` (checkpoint/sharded.py)."""
 
 
 class CheckpointError(RuntimeError):
@@ -38,7 +40,7 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     found = []
     for path in folder.iterdir():
         match = CHECKPOINT_PATTERN.match(path.name)
-        if match:
+        if match and (path.is_file() or (path / "COMPLETE").is_file()):  # a folder counts once marked complete
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -91,8 +93,17 @@ class CheckpointManager:
         self._prune()
         return final
 
+    def prune(self) -> None:
+        """Remove what crashed saves left and all but the newest ``keep_last`` checkpoints."""
+        self._prune()
+
     def _prune(self) -> None:
         for leftover in self.folder.glob("*.tmp-*"):
             leftover.unlink(missing_ok=True)
+        for leftover in self.folder.glob("step-*.tmp"):  # a sharded save cut off before its rename
+            shutil.rmtree(leftover, ignore_errors=True)
         for _, path in list_checkpoints(self.folder)[: -self.keep_last]:
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -51,7 +51,7 @@ class InMemoryLoader:
 
     def __init__(self, dataset: sources.InMemoryDataset, plan: Plan, train: bool):
         self.dataset, self.train = dataset, train
-        self.rank, self.world_size = plan.world.rank, plan.world.size
+        self.rank, self.world_size = plan.world.data_rank, plan.world.data_size
         self.config = plan.config.data
         self.seed = plan.config.train.seed
         self.image_size = self.config.image_size
@@ -185,7 +185,7 @@ class FileLoader:
     def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
         self.samples, self.plan, self.train = samples, plan, train
         world = plan.world
-        self.sampler = SeededSampler(len(samples), plan.config.train.seed, train, world.rank, world.size)
+        self.sampler = SeededSampler(len(samples), plan.config.train.seed, train, world.data_rank, world.data_size)
         self.image_size, self.batch_size, self.loader = 0, 0, None
         self.configure(plan.config.data.image_size, plan.global_batch if train else plan.eval_batch)
 
@@ -202,7 +202,7 @@ class FileLoader:
         self.sampler.set_batch_size(batch_size)
         self.loader = DataLoader(
             dataset,
-            batch_size=batch_size // self.plan.world.size,
+            batch_size=batch_size // self.plan.world.data_size,
             sampler=self.sampler,
             drop_last=self.train,
             num_workers=workers,

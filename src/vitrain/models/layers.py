@@ -79,15 +79,16 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        batch, tokens, _ = x.shape
+        # heads inferred (-1): under tensor parallelism each process holds only its share of them
+        qkv = self.qkv(x).reshape(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         dropout = self.attn_drop if self.training else 0.0
         if self.impl == "sdpa":
             x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         else:
             x = self._matmul_attention(q, k, v, dropout)
-        x = x.transpose(1, 2).reshape(batch, tokens, dim)
+        x = x.transpose(1, 2).reshape(batch, tokens, -1)
         return self.proj_drop(self.proj(x))
 
     def _matmul_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:

@@ -19,8 +19,10 @@ def evaluate(
     prepare: Callable[[torch.Tensor], torch.Tensor],
     precision: str,
     device: str,
+    replicas: int = 1,
 ) -> dict[str, float]:
-    """Accuracy in percent; ``prepare`` turns a uint8 batch into the model's input."""
+    """Accuracy in percent; ``prepare`` turns a uint8 batch into the model's input. ``replicas``: how many
+    processes evaluated each sample (tensor-parallel peers share their data), so sums count it once."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # count, top1, top5, loss sum
@@ -39,7 +41,7 @@ def evaluate(
             ]
         )
     model.train(was_training)
-    count, top1, top5, loss = all_reduce_(totals).tolist()  # several processes: each evaluated its shard
+    count, top1, top5, loss = (all_reduce_(totals) / replicas).tolist()  # several processes: each its shard
     if count == 0:
         raise ValueError("evaluation loader produced no samples")
     return {"top1": 100.0 * top1 / count, "top5": 100.0 * top5 / count, "loss": loss / count, "num_samples": int(count)}

@@ -18,9 +18,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
 from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
+from vitrain.checkpoint.sharded import (
+    holds_dtensors,
+    is_sharded_checkpoint,
+    load_model_state,
+    load_optimizer_state,
+    load_sharded,
+    model_state,
+    optimizer_state,
+    read_checkpoint_model,
+    save_sharded,
+)
 from vitrain.config import ConfigError, Plan, Stage, config_to_yaml, model_overrides
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
@@ -28,6 +40,7 @@ from vitrain.metrics import JsonlWriter, NullWriter, run_environment
 from vitrain.models import build_model, load_pretrained, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
 from vitrain.parallel.distributed import all_reduce_, barrier, broadcast_object, rank0_value, wrap_data_parallel
+from vitrain.parallel.parallelize import apply_model_parallelism
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
@@ -79,11 +92,19 @@ class Run:
     checkpoints: CheckpointManager
     state: TrainState
 
-    def checkpoint_payload(self) -> dict[str, Any]:
+    def checkpoint_payload(self, full: bool = True) -> dict[str, Any]:
+        """Everything a resume needs. ``full``: whole tensors (gathered on rank 0 under FSDP/TP, so every
+        rank must call this); otherwise this rank's shards, for a sharded checkpoint."""
+        return {
+            "model": model_state(self.model, full),
+            "optimizer": optimizer_state(self.model, self.optimizer, full),
+            **self.checkpoint_extras(),
+        }
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """The part of a checkpoint that is not model or optimizer tensors (rank 0's)."""
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "state": self.state.state_dict(),
             "rng": capture_rng_state(),
@@ -99,9 +120,21 @@ class Run:
             },
         }
 
-    def load_payload(self, payload: dict[str, Any]) -> None:
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+    def load_checkpoint(self, path: Path) -> None:
+        """Resume from a checkpoint of either format, whatever the process count that wrote it."""
+        if is_sharded_checkpoint(path):
+            reference = {
+                "model": model_state(self.model, False),
+                "optimizer": optimizer_state(self.model, self.optimizer, False),
+            }
+            tensors, extras = load_sharded(path, reference)
+            self.load_payload({**tensors, **extras}, full=False)
+        else:
+            self.load_payload(load_checkpoint(path))
+
+    def load_payload(self, payload: dict[str, Any], full: bool = True) -> None:
+        load_model_state(self.model, payload["model"], full)
+        load_optimizer_state(self.model, self.optimizer, payload["optimizer"], full)
         self.scaler.load_state_dict(payload["scaler"])
         self.step_fn.weights_changed()
         self.state = TrainState.from_state_dict(payload["state"])
@@ -114,6 +147,9 @@ def build_training_step(plan: Plan) -> TrainStep:
     model = build_model_for(plan)
     if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
         model.to(memory_format=torch.channels_last)
+    sharded = plan.world.size > 1 and plan.config.parallel.strategy != "ddp"
+    if sharded:  # before the optimizer: sharding replaces the parameters by DTensors
+        apply_model_parallelism(model, plan)
     optimizer = build_optimizer(model, plan)
     step = TrainStep(
         model,
@@ -126,12 +162,14 @@ def build_training_step(plan: Plan) -> TrainStep:
         plan.precision_mode,
     )
     step.micro_batch = plan.config.train.micro_batch_size
-    if plan.config.train.activation_checkpointing:  # on the module that runs (O2: the low-precision copy)
+    if plan.config.train.activation_checkpointing and not sharded:  # on the module that runs (O2: its copy)
         apply_activation_checkpointing(step.forward_module, plan.config.train.activation_checkpointing)
     if plan.world.size > 1:
-        step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
-        # the same weights everywhere (seeded alike), but each rank its own dropout / drop-path draws
-        torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.rank))
+        if not sharded:
+            step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
+        # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
+        # draws (tensor-parallel peers compute one slice together, so they draw alike)
+        torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
     return step
 
 
@@ -169,13 +207,19 @@ def describe_length(plan: Plan) -> str:
 def apply_init_from(run: Run, path: Path) -> list[str]:
     """Load a checkpoint's model weights into a new run (fine-tuning); returns the classifier
     parameters left at their initialization because the class count differs."""
-    payload = load_checkpoint(path)
+    weights, info = read_checkpoint_model(path)
+    target = run.model
+    if holds_dtensors(run.model):  # FSDP/TP: adapt a plain full copy (resampling, new head), then shard it
+        target = build_model_for(run.plan, "cpu")
+        target.load_state_dict(get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True)))
     try:
-        fresh = load_pretrained(run.model, payload["model"])
+        fresh = load_pretrained(target, weights)
     except ValueError as error:
         raise ConfigError(f"train.init_from={path}: {error}; fine-tune the same model.name") from None
+    if target is not run.model:
+        load_model_state(run.model, target.state_dict(), full=True)
     run.step_fn.weights_changed()
-    saved_size = payload.get("config", {}).get("data", {}).get("image_size")
+    saved_size = info.get("config", {}).get("data", {}).get("image_size")
     log.info(
         "initialized from %s (trained at %s px, now %d px)%s",
         path,
@@ -275,7 +319,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         run = self.run
         started = self.clock()
-        result = evaluate(run.model, run.eval_loader, run.normalize, self.plan.precision, self.plan.device)
+        plan = self.plan
+        result = evaluate(
+            run.model, run.eval_loader, run.normalize, plan.precision, plan.device, replicas=plan.world.tp_size
+        )
         run.state.eval_s += self.clock() - started
         run.state.last_eval = result
         if run.state.best_top1 is None or result["top1"] > run.state.best_top1:
@@ -295,9 +342,18 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         started = self.clock()
-        if self.plan.world.is_main:  # DDP: every rank holds the same state; one writes it
-            path = self.run.checkpoints.save(self.run.checkpoint_payload(), self.run.state.step)
-            log.info("saved %s", path)
+        run, world = self.run, self.plan.world
+        if self.plan.checkpoint_format == "sharded":  # every rank writes its shards
+            final = run.checkpoints.path_for(run.state.step).with_suffix("")
+            path = save_sharded(final, run.checkpoint_payload(full=False), run.checkpoint_extras(), world.is_main)
+            if world.is_main:
+                run.checkpoints.prune()
+                log.info("saved %s", path)
+        else:
+            gathered = self.plan.config.parallel.strategy != "ddp" and world.size > 1
+            payload = run.checkpoint_payload() if gathered or world.is_main else None  # FSDP/TP: a collective
+            if world.is_main:  # DDP: every rank holds the same state; one writes it
+                log.info("saved %s", run.checkpoints.save(payload, run.state.step))
         barrier()  # no rank runs ahead of a checkpoint it might need to resume from
         self.run.state.checkpoint_s += self.clock() - started
         self.last_checkpoint_step = self.run.state.step
@@ -395,7 +451,7 @@ class Trainer:
             images = run.normalize(images.to(plan.device, non_blocking=True))
             self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
             state.step += 1
-            images_in_step = len(labels) * plan.world.size  # the global batch
+            images_in_step = len(labels) * plan.world.data_size  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
             state.epoch_images += images_in_step
             self.window_images += images_in_step
@@ -451,7 +507,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         log.info("--resume auto: no checkpoint found, starting a new run")
     run = build_run(plan)
     if checkpoint_path is not None:
-        run.load_payload(load_checkpoint(checkpoint_path))
+        run.load_checkpoint(checkpoint_path)
         log.info("resumed from %s at step %d", checkpoint_path, run.state.step)
     elif plan.config.train.init_from is not None:
         apply_init_from(run, Path(plan.config.train.init_from))

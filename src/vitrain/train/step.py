@@ -8,6 +8,8 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,6 +85,47 @@ class LowPrecisionWeights:
             compute.copy_(master)
 
 
+@contextlib.contextmanager
+def deferred_gradient_sync(module: nn.Module):
+    """Accumulating micro-batches: gradients are reduced across processes only after the last one
+    (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``); a no-op for other modules."""
+    if hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    elif hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_gradients_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before.
+
+    Sharded gradients (DTensors of FSDP/TP) count each element once across processes: per-tensor norms
+    are stacked per placement and reduced by DTensor; replicated ones count as they are (the same on
+    every process). Plain gradients alone take torch's ``clip_grad_norm_``."""
+    grads = [param.grad for param in parameters if param.grad is not None]
+    if not any(isinstance(grad, DTensor) for grad in grads):
+        return nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    squares = []
+    for key, members in groups.items():
+        norms = torch.stack([torch.linalg.vector_norm(grad) for grad in members])
+        squares.append((norms.full_tensor() if key is not None else norms).square().sum())
+    total = torch.stack(squares).sum().sqrt()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    torch._foreach_mul_(local, coefficient)
+    return total
+
+
 class TrainStep:
     """Callable holding what every step needs; returns the loss and grad norm as device tensors."""
 
@@ -102,7 +145,10 @@ class TrainStep:
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = None
         self.full_dtype = None  # "full": the model itself holds low-precision weights, no master copy
-        if precision_mode == "o2" and precision in LOW_PRECISION_DTYPES:
+        self.autocast = True
+        if precision_mode == "o2" and precision in LOW_PRECISION_DTYPES and hasattr(model, "unshard"):
+            self.autocast = False  # FSDP2: its mixed-precision policy computes with low-precision weights
+        elif precision_mode == "o2" and precision in LOW_PRECISION_DTYPES:
             self.low_precision = LowPrecisionWeights(model, LOW_PRECISION_DTYPES[precision])
         elif precision_mode == "full" and precision in LOW_PRECISION_DTYPES:
             self.full_dtype = LOW_PRECISION_DTYPES[precision]
@@ -110,6 +156,12 @@ class TrainStep:
         # the module each step calls: the model or its O2 copy, possibly wrapped (DDP) from outside
         self.forward_module: nn.Module = self.low_precision.compute if self.low_precision else model
         self.micro_batch: int | None = None  # gradient accumulation: images per forward/backward
+
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
+        """Tensor parallelism leaves norms and embeddings as plain tensors beside the DTensors of the split
+        layers; the fused/foreach optimizers take plain ones as replicated (identical on every process)."""
+        kinds = {isinstance(param, DTensor) for param in self.model.parameters()}
+        return implicit_replication() if len(kinds) == 2 else contextlib.nullcontext()
 
     def weights_changed(self) -> None:
         """Call after loading weights into the model (resume) so the compute copy follows."""
@@ -121,7 +173,7 @@ class TrainStep:
             return self.forward_module(images.to(self.low_precision.dtype))
         if self.full_dtype is not None:
             return self.forward_module(images.to(self.full_dtype))
-        with autocast_context(self.precision, self.device):
+        with autocast_context(self.precision if self.autocast else "fp32", self.device):
             return self.forward_module(images)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,8 +186,7 @@ class TrainStep:
         loss = torch.zeros((), device=labels.device)
         for index, (piece_images, piece_labels) in enumerate(pieces):
             last = index == len(pieces) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.forward_module, "no_sync") else None
-            with sync or self.forward_module.no_sync():
+            with contextlib.nullcontext() if last else deferred_gradient_sync(self.forward_module):
                 logits = self._forward(piece_images)
                 share = len(piece_labels) / len(labels)
                 piece_loss = F.cross_entropy(logits.float(), piece_labels, label_smoothing=self.label_smoothing) * share
@@ -146,8 +197,9 @@ class TrainStep:
         grad_norm = None
         if self.grad_clip is not None:
             self.scaler.unscale_(self.optimizer)
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
-        self.scaler.step(self.optimizer)
+            grad_norm = clip_gradients_(list(self.model.parameters()), self.grad_clip)
+        with self.optimizer_context():
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.low_precision is not None:
             self.low_precision.push_weights()

@@ -1,0 +1,328 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``, DCP) and the state-dict views every format uses.
+
+A sharded checkpoint is a folder ``checkpoints/step-NNNNNNNNN/``: every rank writes its shards of the
+model and optimizer (DCP's ``.distcp`` files and ``.metadata``), rank 0 writes ``extras.pt`` (loop
+state, RNG, scaler, config: tensors and plain containers only) and, last, the completion marker
+``COMPLETE``. All of it is written under ``step-NNNNNNNNN.tmp`` and renamed into place after the
+marker, so a folder with the final name is complete; a crash leaves only a ``.tmp`` folder that the
+next save removes. DCP reshards on load, so a checkpoint saved by N processes loads into M (1 included).
+
+Model and optimizer state go through torch's ``get_/set_model_state_dict`` and
+``get_/set_optimizer_state_dict``: parameter names as keys (the single-process names under
+FSDP/TP), optimizer state keyed by those names too, so single-file and sharded checkpoints hold the
+same tensors and load into any strategy.
+
+Loading never unpickles arbitrary objects: tensors are read with ``weights_only=True`` (DCP's own
+reader) and the ``.metadata`` file, which DCP pickles, is read by an unpickler that only admits
+DCP's metadata classes, dtypes and sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from vitrain.checkpoint.manager import CheckpointError, load_checkpoint
+from vitrain.checkpoint.manager import _fsync_dir as fsync_dir
+from vitrain.parallel.distributed import active, barrier
+
+COMPLETE_MARKER = "COMPLETE"
+EXTRAS_FILE = "extras.pt"
+
+_SHARDED = StateDictOptions()
+
+
+def _nested_strided(value: DTensor) -> bool:
+    """FSDP over a tensor-parallel strided shard (fsdp+tp's fused qkv): DTensor's own ``full_tensor``
+    does not invert this layout, so vitrain gathers and cuts it itself."""
+    return len(value.placements) == 2 and all(isinstance(place, _StridedShard) for place in value.placements)
+
+
+def full_tensor(value: Any) -> Any:
+    """The whole tensor of a DTensor (a collective: every process calls it); anything else unchanged."""
+    if not isinstance(value, DTensor):
+        return value
+    if not _nested_strided(value):
+        return value.full_tensor()
+    mesh, (_, tp_place) = value.device_mesh, value.placements
+    tp_shape = (value.shape[0] // mesh.size(1), *value.shape[1:])  # this TP rank's rows, before FSDP's cut
+    tp_local = DTensor.from_local(
+        value.to_local(), mesh["dp"], [Shard(0)], shape=tp_shape, stride=_contiguous_stride(tp_shape), run_check=False
+    ).full_tensor()
+    return DTensor.from_local(
+        tp_local, mesh["tp"], [tp_place], shape=value.shape, stride=_contiguous_stride(value.shape), run_check=False
+    ).full_tensor()
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def shard_like(full: torch.Tensor, reference: Any) -> Any:
+    """This process's part of ``full`` laid out as ``reference`` (a DTensor; anything else: ``full``)."""
+    if not isinstance(reference, DTensor):
+        return full
+    full = full.to(reference.device)
+    mesh, placements = reference.device_mesh, reference.placements
+    if not _nested_strided(reference):
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    tp_local = distribute_tensor(full, mesh["tp"], [placements[1]], src_data_rank=None).to_local()
+    chunks = torch.chunk(tp_local, mesh.size(0), dim=0)  # FSDP2 cuts dim 0 with torch.chunk
+    index = mesh.get_local_rank(0)
+    local = chunks[index] if index < len(chunks) else tp_local.new_empty((0, *tp_local.shape[1:]))
+    return DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride(), run_check=False)
+
+
+def _map_tree(function, tree: Any, reference: Any = None) -> Any:
+    if isinstance(tree, dict):
+        return {
+            key: _map_tree(function, value, None if reference is None else reference[key])
+            for key, value in tree.items()
+        }
+    if isinstance(tree, list):
+        return [_map_tree(function, value, None if reference is None else reference[i]) for i, value in enumerate(tree)]
+    return function(tree) if reference is None else function(tree, reference)
+
+
+def _full_on_cpu(value: Any) -> Any:
+    value = full_tensor(value)
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+    """The model's state by parameter name: whole tensors on the CPU (a collective under FSDP/TP: every
+    process calls it) or this process's shards (DTensors), for DCP."""
+    state = get_model_state_dict(model, options=_SHARDED)
+    return _map_tree(_full_on_cpu, state) if full else state
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, whole or sharded as in :func:`model_state`."""
+    with implicit_replication():  # a fresh optimizer takes one zero step to create its state (mixed TP params)
+        state = get_optimizer_state_dict(model, optimizer, options=_SHARDED)
+    return _map_tree(_full_on_cpu, state) if full else state
+
+
+def load_model_state(model: nn.Module, state: dict[str, Any], full: bool) -> None:
+    """Load whole tensors (``full``: cut to this process's shards first) or shards laid out as the model's."""
+    if full:
+        state = _map_tree(shard_like, state, get_model_state_dict(model, options=_SHARDED))
+    set_model_state_dict(model, state, options=_SHARDED)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], full: bool) -> None:
+    if full:
+        reference = optimizer_state(model, optimizer, full=False)
+        state = {
+            "state": _map_tree(shard_like, state["state"], reference["state"]),
+            "param_groups": state["param_groups"],
+        }
+    with implicit_replication():
+        set_optimizer_state_dict(model, optimizer, state, options=_SHARDED)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return Path(path).is_dir()
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def _replicated(value: Any) -> Any:
+    """DCP stores each process's part of a tensor as one block of rows; a strided shard (tensor
+    parallelism's fused qkv: a share of each of q, k, v) is not one, so it is stored whole (replicated)."""
+    if isinstance(value, DTensor) and any(isinstance(place, _StridedShard) for place in value.placements):
+        whole = full_tensor(value)
+        return DTensor.from_local(whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
+    return value
+
+
+def _unreplicated(loaded: Any, reference: Any) -> Any:
+    if loaded is reference or not isinstance(reference, DTensor):
+        return loaded
+    return shard_like(loaded.to_local(), reference) if isinstance(loaded, DTensor) else loaded
+
+
+@contextlib.contextmanager
+def _without_process_group_warning():
+    """DCP warns on every call in a single process that it assumes one; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def save_sharded(final: Path, tensors: dict[str, Any], extras: dict[str, Any], is_main: bool) -> Path:
+    """Every rank calls this with its shards; rank 0 adds ``extras``, the marker and the rename."""
+    tensors = _map_tree(_replicated, tensors)
+    temporary = final.with_name(final.name + ".tmp")
+    try:
+        if is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir(parents=True)
+        barrier()
+        with _without_process_group_warning():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary, sync_files=True), no_dist=not active())
+        if is_main:
+            with open(temporary / EXTRAS_FILE, "wb") as handle:
+                torch.save(extras, handle)
+                os.fsync(handle.fileno())
+        barrier()  # every rank's shards are on disk before the marker says so
+        if is_main:
+            (temporary / COMPLETE_MARKER).write_text(f"{final.name}\n")
+            fsync_dir(temporary)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(temporary, final)
+            fsync_dir(final.parent)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot write sharded checkpoint {final}: {error.strerror or error}; free disk space or choose a "
+            "writable train.out_dir (the previous checkpoint is intact)"
+        ) from None
+    barrier()
+    return final
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch dtypes/sizes/layouts and paths; refuses anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath"))
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader with the metadata unpickling restricted (tensor data is already weights_only)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as handle:
+                metadata = _MetadataUnpickler(handle).load()
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(
+                f"checkpoint {self.path}: {path.name} holds objects that need arbitrary unpickling, which vitrain "
+                f"refuses: {error}"
+            ) from None
+        except (OSError, EOFError) as error:
+            raise CheckpointError(f"checkpoint {self.path}: cannot read {path.name}: {error}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = self.storage_meta  # as DCP's own reader does
+        return metadata
+
+
+def _check_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist; pass a step-* file or folder, or --resume auto")
+    if not is_complete(folder):
+        raise CheckpointError(
+            f"checkpoint {folder} has no {COMPLETE_MARKER} marker: it was cut off while being written; "
+            "resume from an earlier one (--resume auto picks the newest complete checkpoint)"
+        )
+
+
+def load_sharded(folder: Path, reference: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards of the folder's tensors, laid out like ``reference`` (as from
+    ``model_state``/``optimizer_state``; DCP reshards whatever process count wrote them), and the extras."""
+    folder = Path(folder)
+    _check_folder(folder)
+    tensors = _map_tree(_replicated, reference)
+    with _without_process_group_warning():
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(folder), no_dist=not active())
+    return _map_tree(_unreplicated, tensors, reference), load_checkpoint(folder / EXTRAS_FILE)
+
+
+def read_sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a sharded checkpoint, in this process alone (no process group): for
+    evaluation, fine-tuning and export."""
+    folder = Path(folder)
+    _check_folder(folder)
+    reader = SafeFileSystemReader(folder)
+    metadata = reader.read_metadata()
+    weights = {
+        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+    with _without_process_group_warning():
+        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+    return weights
+
+
+def read_checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full model weights and the rest (config, loop state; no optimizer) of a checkpoint in either
+    format (file or sharded folder), in this process alone."""
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return read_sharded_model(path), load_checkpoint(path / EXTRAS_FILE)
+    payload = load_checkpoint(path)
+    info = {key: value for key, value in payload.items() if key not in ("model", "optimizer")}
+    return payload["model"], info
+
+
+def export_model(checkpoint: Path, out: Path) -> int:
+    """Write a checkpoint's full model weights (either format) as one safetensors file, the saved
+    config in its metadata; returns the number of tensors."""
+    from safetensors.torch import save_file
+
+    weights, info = read_checkpoint_model(checkpoint)
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"format": "vitrain-model-v1", "config": json.dumps(info.get("config", {}))}
+        save_file({key: value.contiguous() for key, value in weights.items()}, str(out), metadata=metadata)
+    except OSError as error:
+        raise CheckpointError(f"cannot write {out}: {error.strerror or error}; choose a writable path") from None
+    return len(weights)
+
+
+def holds_dtensors(model: nn.Module) -> bool:
+    """Whether FSDP or tensor parallelism has sharded ``model``'s parameters."""
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "SafeFileSystemReader",
+    "export_model",
+    "holds_dtensors",
+    "is_complete",
+    "is_sharded_checkpoint",
+    "load_model_state",
+    "load_optimizer_state",
+    "load_sharded",
+    "model_state",
+    "optimizer_state",
+    "read_checkpoint_model",
+    "read_sharded_model",
+    "save_sharded",
+]

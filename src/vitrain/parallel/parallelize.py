@@ -1,0 +1,131 @@
+"""Sharding a built model over the processes of a run, from outside the model (STYLE.md §1.3), in
+torchtitan's order: tensor parallelism -> activation checkpointing -> FSDP2.
+
+- **Mesh.** One named device mesh: ``("dp",)`` for fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
+  fsdp+tp (tensor-parallel peers are adjacent ranks, so on a cluster they share a node).
+- **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, section 3) with DTensor's
+  ``parallelize_module``: in each ViT block the qkv and fc1 projections are column-parallel, proj and
+  fc2 row-parallel, so a block costs one all-reduce in the forward of attention and one of the FFN.
+  The fused qkv weight stacks q, k and v row-wise ([q; k; v], timm's layout); a plain row split would
+  hand rank 0 all of q and part of k, so its rows are split per third (a strided shard: rank r holds
+  its heads' rows of q, of k and of v). Parameter names and the checkpointed full tensors stay the
+  single-process ones. Norms, embeddings and the head stay replicated.
+- **FSDP2** ``fully_shard`` on every block, then on the root: parameters, gradients and optimizer
+  state are sharded over "dp"; zero3 frees gathered block parameters after the forward, zero2 keeps
+  them for the backward. precision_mode=o2 becomes FSDP's mixed-precision policy (blocks compute with
+  bf16 parameters gathered from the fp32 shards, gradients reduced in fp32).
+
+Weights are initialized in full on every rank from the same seed, then sharded, so a sharded run
+starts from exactly the single-process weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from vitrain.config import Plan
+from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+
+log = logging.getLogger("vitrain")
+
+
+def build_mesh(plan: Plan) -> DeviceMesh:
+    """The run's device mesh with named dimensions ("dp" and/or "tp")."""
+    world, strategy = plan.world, plan.config.parallel.strategy
+    device_type = torch.device(plan.device).type
+    if strategy == "fsdp":
+        return init_device_mesh(device_type, (world.size,), mesh_dim_names=("dp",))
+    if strategy == "tp":
+        return init_device_mesh(device_type, (world.size,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (world.data_size, world.tp_size), mesh_dim_names=("dp", "tp"))
+
+
+class FusedQKVColwiseParallel(ColwiseParallel):
+    """Column parallelism for a fused ``[q; k; v]`` projection: each rank takes its share of the
+    rows of each third, so its output is ``[q_r, k_r, v_r]`` for its heads."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for param_name, param in module.named_parameters():
+            sharded = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=0)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        # already laid out as this rank's heads of q, k and v: no redistribution, just the local part
+        return outputs.to_local()
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every ViT block's attention heads and FFN columns over ``mesh`` (resolve() admitted only
+    models whose blocks have a fused-qkv ``attn`` and a two-layer ``mlp``)."""
+    plan = {
+        "attn.qkv": FusedQKVColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
+    for block in model.block_modules():
+        parallelize_module(block, mesh, plan)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
+    """FSDP2 per block, then the root (whose remaining parameters form one more group)."""
+    from vitrain.train.step import LOW_PRECISION_DTYPES  # vitrain.train imports this module
+
+    parallel = plan.config.parallel
+    o2 = plan.precision_mode == "o2" and plan.precision in LOW_PRECISION_DTYPES
+    policy = MixedPrecisionPolicy(
+        param_dtype=LOW_PRECISION_DTYPES[plan.precision] if o2 else None,
+        reduce_dtype=torch.float32 if o2 else None,
+    )
+    options = {
+        "mesh": mesh,
+        "mp_policy": policy,
+        "offload_policy": CPUOffloadPolicy() if parallel.fsdp_cpu_offload else OffloadPolicy(),
+    }
+    reshard = parallel.fsdp_reshard == "zero3"
+    for block in model.block_modules():
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=False, **options)  # the root is needed first in the backward
+
+
+def apply_buffer_sync(model: nn.Module, mesh: DeviceMesh) -> None:
+    """BatchNorm running statistics are per process under FSDP (each sees its own slice); as DDP does,
+    broadcast them from the first data-parallel rank before every training forward, so every rank
+    evaluates and checkpoints the same model."""
+    buffers = [buffer for module in model.modules() for buffer in module.buffers(recurse=False)]
+    buffers = [buffer for buffer in buffers if buffer.is_floating_point()]
+    if not buffers:
+        return
+    group = mesh.get_group("dp")
+
+    def broadcast_buffers(module: nn.Module, args) -> None:
+        if module.training:
+            for buffer in buffers:
+                dist.broadcast(buffer, group=group, group_src=0)
+
+    model.register_forward_pre_hook(broadcast_buffers)
+
+
+def apply_model_parallelism(model: nn.Module, plan: Plan) -> DeviceMesh:
+    """fsdp / tp / fsdp+tp: shard ``model`` in place (TP -> activation checkpointing -> FSDP); returns the mesh."""
+    mesh = build_mesh(plan)
+    strategy = plan.config.parallel.strategy
+    if "tp" in strategy:
+        apply_tensor_parallel(model, mesh["tp"])
+    if plan.config.train.activation_checkpointing:
+        apply_activation_checkpointing(model, plan.config.train.activation_checkpointing)
+    if "fsdp" in strategy:
+        apply_fsdp(model, mesh["dp"], plan)
+        apply_buffer_sync(model, mesh)
+    log.info("parallel: %s over mesh %s", strategy, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
+    return mesh

@@ -1,0 +1,99 @@
+"""FSDP2, tensor parallelism and both together on the CPU (gloo), against one process.
+
+Every strategy must train to the weights one process reaches on the same global batches (up to float
+summation order): FSDP2 shards parameters/gradients/optimizer state and reduces gradients itself, TP
+splits each block's heads and FFN columns and all-reduces activations, and the checkpoints they write
+(sharded DCP folders) must load at another process count and continue to the same weights.
+The model: the 6-block ViT-Ti with 6 heads, so that 2 tensor-parallel ranks split the heads evenly.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.dist.test_ddp import _assert_close, _overrides, _set_args, torchrun
+from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
+from vitrain.cli import main
+from vitrain.metrics import read_jsonl
+
+FINAL = "checkpoints/step-000000018"
+HEADS = "model.num_heads=6"
+
+
+def _final_weights(out_dir):
+    path = out_dir / FINAL if (out_dir / FINAL).is_dir() else out_dir / f"{FINAL}.pt"
+    return read_checkpoint_model(path)[0]
+
+
+def _losses(out_dir):
+    return [record["loss"] for record in read_jsonl(out_dir / "metrics.jsonl") if record["event"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, one thread (the kernels each torchrun worker runs)."""
+    out_dir = tmp_path_factory.mktemp("single") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *_set_args(_overrides(out_dir, HEADS))]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def _run(out_dir, nproc, *extra):
+    result = torchrun(["train", *_set_args(_overrides(out_dir, HEADS, *extra))], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out_dir
+
+
+@pytest.mark.parametrize(
+    ("nproc", "settings"),
+    [
+        (2, ["parallel.strategy=fsdp"]),
+        (2, ["parallel.strategy=fsdp", "parallel.fsdp_reshard=zero2", "train.micro_batch_size=3"]),
+        (2, ["parallel.strategy=tp"]),
+        (4, ["parallel.strategy=fsdp+tp", "parallel.tp_size=2"]),
+    ],
+    ids=["fsdp-zero3", "fsdp-zero2-accumulation", "tp", "fsdp+tp"],
+)
+def test_sharded_strategies_match_one_process(reference, tmp_path, nproc, settings):
+    out_dir = _run(tmp_path / "run", nproc, *settings)
+    checkpoint = out_dir / FINAL
+    assert (checkpoint / COMPLETE_MARKER).is_file() and len(list(checkpoint.glob("*.distcp"))) == nproc
+    _assert_close(_final_weights(out_dir), _final_weights(reference))
+    assert _losses(out_dir) == pytest.approx(_losses(reference), rel=1e-4)
+    evals = [record for record in read_jsonl(out_dir / "metrics.jsonl") if record["event"] == "eval"]
+    assert [record["num_samples"] for record in evals] == [30, 30, 30]  # TP peers counted once
+
+
+def test_fsdp_checkpoint_resumes_in_one_process_and_fsdp_tp_in_tp(reference, tmp_path):
+    """Save at world 2 (FSDP) -> load at world 1; save at world 4 (FSDP x TP) -> load at world 2 (TP)."""
+    fsdp = _run(tmp_path / "fsdp", 2, "parallel.strategy=fsdp")
+    resumed = tmp_path / "fsdp-resumed"
+    shutil.copytree(fsdp / "checkpoints" / "step-000000006", resumed / "checkpoints" / "step-000000006")
+    assert main(["train", "--resume", "auto", *_set_args(_overrides(resumed, HEADS))]) == 0
+    assert (resumed / f"{FINAL}.pt").is_file()  # one process writes single files again
+    _assert_close(_final_weights(resumed), _final_weights(reference))
+
+    two_d = _run(tmp_path / "fsdp-tp", 4, "parallel.strategy=fsdp+tp", "parallel.tp_size=2")
+    tp_resumed = tmp_path / "tp-resumed"
+    shutil.copytree(two_d / "checkpoints" / "step-000000012", tp_resumed / "checkpoints" / "step-000000012")
+    result = torchrun(["train", "--resume", "auto", *_set_args(_overrides(tp_resumed, HEADS, "parallel.strategy=tp"))])
+    assert result.returncode == 0, result.stderr[-4000:]
+    _assert_close(_final_weights(tp_resumed), _final_weights(reference))
+
+
+def test_tp_run_can_write_single_file_checkpoints_and_finetune_from_a_sharded_one(reference, tmp_path):
+    """checkpoint.format=file gathers the shards onto rank 0; a sharded folder serves as init_from."""
+    out_dir = _run(tmp_path / "run", 2, "parallel.strategy=tp", "checkpoint.format=file")
+    _assert_close(_final_weights(out_dir), _final_weights(reference))
+    sharded = _run(tmp_path / "sharded", 2, "parallel.strategy=fsdp", "train.epochs=1")
+    tuned = tmp_path / "tuned"
+    args = ["finetune", "--from", str(sharded / "checkpoints" / "step-000000006")]
+    assert main([*args, *_set_args(_overrides(tuned, HEADS, "train.epochs=1", "data.image_size=21"))]) == 0
+    assert read_checkpoint_model(tuned / "checkpoints" / "step-000000006.pt")[0]["pos_embed"].shape[1] == 9
