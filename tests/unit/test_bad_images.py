@@ -1,0 +1,192 @@
+"""Bad and odd image files: decoding, skip-and-replace in the loader and training, `vitrain check-data`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import ExifTags, Image, ImageFile
+
+from tests.conftest import make_config
+from vitrain.data.decode import BadImage, decode_image
+
+BOMB_PIXELS = 100 * 80
+LIMIT = 5000  # data.max_image_pixels in these tests: the bomb exceeds it, every other file is far below
+RED, BLUE, GREEN, WHITE = (255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 255)
+
+
+def _noise(height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _halves(width: int, height: int, left, right) -> Image.Image:
+    """An RGB image, left half one colour, right half another."""
+    pixels = np.empty((height, width, 3), dtype=np.uint8)
+    pixels[:, : width // 2], pixels[:, width // 2 :] = left, right
+    return Image.fromarray(pixels)
+
+
+def write_cmyk(path: Path) -> None:
+    Image.new("RGB", (32, 24), (200, 40, 60)).convert("CMYK").save(path, "JPEG", quality=95)
+
+
+def write_gray(path: Path) -> None:
+    Image.new("L", (32, 24), 90).save(path, "JPEG", quality=95)
+
+
+def write_png_named_jpeg(path: Path) -> None:
+    Image.fromarray(_noise(24, 32, 7)).save(path, "PNG")
+
+
+def write_exif_rotated(path: Path, orientation: int = 6) -> None:
+    """Stored 40 wide x 20 high, red left half; a camera held upright would show it 20 x 40."""
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = orientation
+    _halves(40, 20, RED, BLUE).save(path, "JPEG", quality=95, exif=exif)
+
+
+def write_rgba(path: Path) -> None:
+    """Left third fully transparent (stored black), middle half-transparent red, right third opaque blue."""
+    pixels = np.zeros((24, 30, 4), dtype=np.uint8)
+    pixels[:, 10:20] = (255, 0, 0, 128)
+    pixels[:, 20:] = (0, 0, 255, 255)
+    Image.fromarray(pixels).save(path)
+
+
+def write_palette(path: Path) -> None:
+    """Palette black (index 2) transparent on the left half, green (index 1) on the right."""
+    image = Image.new("P", (32, 24), 2)
+    image.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 0])
+    image.paste(1, (16, 0, 32, 24))
+    image.save(path, transparency=2)
+
+
+def write_gray16(path: Path) -> None:
+    """16-bit grayscale: 65535 on the left half, 32768 on the right."""
+    pixels = np.full((24, 32), 32768, dtype=np.uint16)
+    pixels[:, :16] = 65535
+    Image.fromarray(pixels).save(path)
+
+
+def write_truncated(path: Path) -> None:
+    Image.fromarray(_noise(40, 48, 3)).save(path, "JPEG")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def write_bomb(path: Path) -> None:
+    Image.fromarray(_noise(80, 100, 4)).save(path, "JPEG")
+
+
+ODD_FILES = {  # name in train/n01 -> (writer, the notes check-data reports)
+    "cmyk.JPEG": (write_cmyk, ("cmyk",)),
+    "gray.JPEG": (write_gray, ("grayscale",)),
+    "png_named.JPEG": (write_png_named_jpeg, ("png_named_jpeg",)),
+    "exif6.JPEG": (write_exif_rotated, ("exif_rotated",)),
+    "rgba.png": (write_rgba, ("transparency",)),
+    "palette.png": (write_palette, ("palette", "transparency")),
+    "gray16.png": (write_gray16, ("16bit",)),
+}
+BAD_FILES = {  # name in train/n02 -> (writer, reason)
+    "truncated.JPEG": (write_truncated, "truncated"),
+    "empty.JPEG": (lambda path: path.write_bytes(b""), "empty"),
+    "text.JPEG": (lambda path: path.write_text("this is a text file, not a photo\n"), "not_an_image"),
+    "bomb.JPEG": (write_bomb, "decompression_bomb"),
+    "damaged.png": (lambda path: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(64))), "unreadable"),
+}
+NUM_PLAIN = 6  # plain RGB JPEGs per class in train/
+NUM_TRAIN = 2 * NUM_PLAIN + len(ODD_FILES) + len(BAD_FILES)  # 24: six batches of 4
+
+
+def _pixels(path: Path, **kwargs) -> tuple[np.ndarray, tuple[str, ...]]:
+    decoded = decode_image(path, **kwargs)
+    assert decoded.image.mode == "RGB"
+    return np.asarray(decoded.image).astype(int), decoded.notes
+
+
+# --- decode_image, kind by kind ------------------------------------------------------------------
+
+
+def test_cmyk_and_grayscale_become_rgb_with_their_colours(tmp_path):
+    write_cmyk(tmp_path / "cmyk.jpg")
+    pixels, notes = _pixels(tmp_path / "cmyk.jpg")
+    assert notes == ("cmyk",) and np.abs(pixels.mean((0, 1)) - (200, 40, 60)).max() < 8
+    write_gray(tmp_path / "gray.jpg")
+    pixels, notes = _pixels(tmp_path / "gray.jpg")
+    assert notes == ("grayscale",) and (pixels == pixels[..., :1]).all() and abs(pixels.mean() - 90) < 3
+    Image.fromarray(np.eye(8, dtype=bool)).save(tmp_path / "bilevel.png")  # mode 1
+    pixels, notes = _pixels(tmp_path / "bilevel.png")
+    assert notes == ("grayscale",) and (pixels[..., 0] == 255 * np.eye(8)).all()
+
+
+def test_png_named_jpeg_decodes_as_png(tmp_path):
+    write_png_named_jpeg(tmp_path / "x.JPEG")
+    pixels, notes = _pixels(tmp_path / "x.JPEG", draft_side=4)  # a PNG has no draft: full size
+    assert notes == ("png_named_jpeg",) and (pixels == _noise(24, 32, 7)).all()
+
+
+@pytest.mark.parametrize(("orientation", "red_half"), [(6, "top"), (8, "bottom")])
+def test_exif_orientation_is_applied(tmp_path, orientation, red_half):
+    write_exif_rotated(tmp_path / "r.jpg", orientation)
+    pixels, notes = _pixels(tmp_path / "r.jpg")
+    assert notes == ("exif_rotated",)
+    assert pixels.shape == (40, 20, 3)  # stored 40 x 20, shown upright 20 wide x 40 high
+    top, bottom = pixels[:16].mean((0, 1)), pixels[24:].mean((0, 1))
+    red, blue = (top, bottom) if red_half == "top" else (bottom, top)
+    assert np.abs(red - RED).max() < 12 and np.abs(blue - BLUE).max() < 12
+
+
+def test_transparency_is_composited_on_white(tmp_path):
+    write_rgba(tmp_path / "a.png")
+    pixels, notes = _pixels(tmp_path / "a.png")
+    assert notes == ("transparency",)
+    assert (pixels[:, :10] == WHITE).all()  # stored black, fully transparent
+    assert (np.abs(pixels[:, 10:20] - (255, 127, 127)) <= 1).all()  # half red over white
+    assert (pixels[:, 20:] == BLUE).all()
+    write_palette(tmp_path / "p.png")
+    pixels, notes = _pixels(tmp_path / "p.png")
+    assert notes == ("palette", "transparency")
+    assert (pixels[:, :16] == WHITE).all() and (pixels[:, 16:] == GREEN).all()
+    Image.fromarray(np.array([[0, 255]], dtype=np.uint8)).convert("LA").save(tmp_path / "la.png")
+    assert _pixels(tmp_path / "la.png")[1] == ("grayscale", "transparency")
+
+
+def test_sixteen_bit_is_scaled_not_clipped(tmp_path):
+    write_gray16(tmp_path / "g.png")
+    pixels, notes = _pixels(tmp_path / "g.png")
+    assert notes == ("16bit",)
+    assert (pixels[:, :16] == 255).all() and (pixels[:, 16:] == 128).all()
+    Image.fromarray(np.array([[0, 1, 128, 256, 32767, 65280]], dtype=np.uint16)).save(tmp_path / "ramp.png")
+    assert _pixels(tmp_path / "ramp.png")[0][0, :, 0].tolist() == [0, 0, 0, 1, 127, 254]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_files_raise_their_reason(tmp_path, name):
+    write, reason = BAD_FILES[name]
+    write(tmp_path / name)
+    with pytest.raises(BadImage) as raised:
+        decode_image(tmp_path / name, max_image_pixels=LIMIT)
+    assert raised.value.reason == reason and raised.value.detail
+
+
+def test_decompression_bomb_limit_is_exact_and_configurable(tmp_path):
+    write_bomb(tmp_path / "big.jpg")
+    assert decode_image(tmp_path / "big.jpg").image.size == (100, 80)  # the default limit is Pillow's
+    assert decode_image(tmp_path / "big.jpg", max_image_pixels=BOMB_PIXELS).image.size == (100, 80)
+    with pytest.raises(BadImage, match="decompression_bomb"):
+        decode_image(tmp_path / "big.jpg", max_image_pixels=BOMB_PIXELS - 1)
+    assert make_config().data.max_image_pixels == 2 * Image.MAX_IMAGE_PIXELS  # and Pillow's own is untouched
+
+
+def test_truncated_files_are_refused_even_when_pillow_would_pad_them(tmp_path, monkeypatch):
+    write_truncated(tmp_path / "cut.jpg")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # someone else's global setting
+    with pytest.raises(BadImage, match="truncated"):
+        decode_image(tmp_path / "cut.jpg")
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored after the decode
+
+
+def test_draft_still_reduces_odd_jpegs(tmp_path):
+    Image.fromarray(_noise(192, 256, 0)).convert("CMYK").save(tmp_path / "c.jpg")
+    assert decode_image(tmp_path / "c.jpg", draft_side=40).image.size == (64, 48)
+    assert decode_image(tmp_path / "c.jpg").image.size == (256, 192)
