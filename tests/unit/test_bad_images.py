@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import ExifTags, Image, ImageFile
 
 from tests.conftest import make_config
+from vitrain.cli import main, make_plan
+from vitrain.data import build_loaders
 from vitrain.data.decode import BadImage, decode_image
 
 BOMB_PIXELS = 100 * 80
@@ -96,6 +101,27 @@ BAD_FILES = {  # name in train/n02 -> (writer, reason)
 }
 NUM_PLAIN = 6  # plain RGB JPEGs per class in train/
 NUM_TRAIN = 2 * NUM_PLAIN + len(ODD_FILES) + len(BAD_FILES)  # 24: six batches of 4
+
+
+@pytest.fixture(scope="module")
+def bad_folder(tmp_path_factory) -> Path:
+    """An ImageNet-layout root with every odd and bad kind in train/ and one empty file in val/."""
+    root = tmp_path_factory.mktemp("bad_images")
+    for split, plain in (("train", NUM_PLAIN), ("val", 2)):
+        for class_index, name in enumerate(("n01", "n02")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for index in range(plain):
+                Image.fromarray(_noise(24 + 4 * index, 32, 10 * class_index + index)).save(
+                    folder / f"plain_{index}.JPEG"
+                )
+    for name, (write, _) in ODD_FILES.items():
+        write(root / "train" / "n01" / name)
+    for name, (write, _) in BAD_FILES.items():
+        write(root / "train" / "n02" / name)
+    (root / "train" / "n02" / "notes.txt").write_text("ignored: not an image extension")
+    (root / "val" / "n02" / "empty.JPEG").write_bytes(b"")
+    return root
 
 
 def _pixels(path: Path, **kwargs) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -190,3 +216,101 @@ def test_draft_still_reduces_odd_jpegs(tmp_path):
     Image.fromarray(_noise(192, 256, 0)).convert("CMYK").save(tmp_path / "c.jpg")
     assert decode_image(tmp_path / "c.jpg", draft_side=40).image.size == (64, 48)
     assert decode_image(tmp_path / "c.jpg").image.size == (256, 192)
+
+
+# --- loader and training -------------------------------------------------------------------------
+
+
+def _run_overrides(root: Path, out_dir: Path, *extra: str) -> list[str]:
+    overrides = [
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "data.image_size=14",
+        "data.num_workers=0",
+        f"data.max_image_pixels={LIMIT}",
+        "data.max_bad_fraction=0.25",
+        "model.name=vit_tiny6_patch7",
+        "precision=fp32",
+        "train.batch_size=4",
+        "train.progress=off",
+        f"train.out_dir={out_dir}",
+        *extra,
+    ]
+    return [item for override in overrides for item in ("--set", override)]
+
+
+def test_loader_replaces_bad_images_deterministically_and_counts_them_from_workers(bad_folder):
+    config = make_config(*_run_overrides(bad_folder, Path("unused"))[1::2])
+    batches, counts = [], []
+    for workers in (0, 2):
+        plan = make_plan(config.model_copy(update={"data": config.data.model_copy(update={"num_workers": workers})}))
+        train_loader, _ = build_loaders(plan)
+        train_loader.start_epoch(1)
+        batches.append([(images.clone(), labels.clone()) for images, labels in train_loader])
+        counts.append(train_loader.bad_images.counts())
+    assert counts[0] == counts[1] == {reason: 1 for _, reason in BAD_FILES.values()}
+    assert len(batches[0]) == NUM_TRAIN // 4 and all(len(labels) == 4 for _, labels in batches[0])
+    for (images_a, labels_a), (images_b, labels_b) in zip(*batches, strict=True):
+        assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+
+
+def test_training_skips_bad_images_uses_odd_ones_and_counts_by_reason(bad_folder, tmp_path, monkeypatch, caplog):
+    import vitrain.data.loader as loader_module
+
+    decoded: list[str] = []
+
+    def recording_decode(path, *args, **kwargs):
+        result = decode_image(path, *args, **kwargs)
+        decoded.append(Path(path).name)
+        return result
+
+    monkeypatch.setattr(loader_module, "decode_image", recording_decode)
+    out_dir = tmp_path / "run"
+    argv = ["train", *_run_overrides(bad_folder, out_dir, "train.epochs=2", "train.log_every_steps=6")]
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        assert main(argv) == 0
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["bad_images"] == {reason: 1 for _, reason in BAD_FILES.values()}
+    assert summary["bad_eval_images"] == {"empty": 1}
+    assert summary["images_seen"] == 2 * NUM_TRAIN  # every slot filled: bad ones replaced
+    assert set(ODD_FILES) <= set(decoded)  # the odd files were trained on, not skipped
+    assert not set(BAD_FILES) & set(decoded)
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["bad_images"] for record in records if record["event"] == "train"] == [5, 5]
+    assert [record["num_samples"] for record in records if record["event"] == "eval"] == [4, 4]  # empty one left out
+    warned = [record.getMessage() for record in caplog.records if "image skipped" in record.getMessage()]
+    for name in BAD_FILES:  # each bad file logged once, with its reason, over two epochs
+        assert sum(f"train/n02/{name} (" in message for message in warned) == 1
+    assert sum("val/n02/empty.JPEG (empty:" in message for message in warned) == 1
+    assert any("truncated.JPEG (truncated:" in message for message in warned)
+
+    caplog.clear()  # resumed: the counts come back from the checkpoint, nothing is logged twice
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        assert main([*argv, "--set", "train.epochs=3", "--resume", "auto"]) == 0
+    assert json.loads((out_dir / "summary.json").read_text())["bad_images"] == summary["bad_images"]
+    assert not [record for record in caplog.records if "image skipped" in record.getMessage()]
+
+
+def test_too_many_bad_images_stop_the_run_with_counts_and_the_key_to_raise(bad_folder, tmp_path, capsys):
+    argv = ["train", *_run_overrides(bad_folder, tmp_path / "run", "train.steps=6", "data.max_bad_fraction=0.1")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("vitrain: error: data.root: 3 of the 24 training images cannot be decoded")
+    assert "data.max_bad_fraction=0.1" in error and "raise data.max_bad_fraction" in error
+    assert "vitrain check-data" in error
+    named = [name for name in BAD_FILES if name in error]
+    assert len(named) == 3  # the examples are the files met so far, each with its reason
+    assert all(f"{BAD_FILES[name][1]} 1 (e.g. {bad_folder / 'train' / 'n02' / name}" in error for name in named)
+
+
+def test_a_split_where_nothing_decodes_stops_even_at_fraction_one(tmp_path):
+    from vitrain.data.loader import TooManyBadImages
+
+    for split in ("train", "val"):
+        (tmp_path / split / "n01").mkdir(parents=True)
+        for index in range(4):
+            (tmp_path / split / "n01" / f"{index}.JPEG").write_bytes(b"")
+    overrides = _run_overrides(tmp_path, tmp_path / "run", "data.max_bad_fraction=1.0")[1::2]
+    train_loader, _ = build_loaders(make_plan(make_config(*overrides)))
+    with pytest.raises(TooManyBadImages, match="none of the 4 training images decodes: empty 4 "):
+        next(iter(train_loader))
