@@ -14,6 +14,7 @@ from PIL import ExifTags, Image, ImageFile
 from tests.conftest import make_config
 from vitrain.cli import main, make_plan
 from vitrain.data import build_loaders
+from vitrain.data.check import check_image_folder
 from vitrain.data.decode import BadImage, decode_image
 
 BOMB_PIXELS = 100 * 80
@@ -314,3 +315,46 @@ def test_a_split_where_nothing_decodes_stops_even_at_fraction_one(tmp_path):
     train_loader, _ = build_loaders(make_plan(make_config(*overrides)))
     with pytest.raises(TooManyBadImages, match="none of the 4 training images decodes: empty 4 "):
         next(iter(train_loader))
+
+
+# --- check-data ------------------------------------------------------------------------------------
+
+
+def test_check_data_counts_every_kind_with_examples(bad_folder):
+    report = check_image_folder(bad_folder, workers=0, max_image_pixels=LIMIT)
+    assert report.files_per_split == {"train": NUM_TRAIN, "val": 5}
+    assert report.bad == {"empty": 2, **{reason: 1 for _, reason in BAD_FILES.values() if reason != "empty"}}
+    expected_odd: dict[str, int] = {}
+    for _, notes in ODD_FILES.values():
+        for note in notes:
+            expected_odd[note] = expected_odd.get(note, 0) + 1
+    assert report.odd == expected_odd
+    assert report.num_ok == report.num_files - report.num_bad and report.num_odd_files == len(ODD_FILES)
+    assert report.num_ignored == 1
+    assert report.examples["truncated"][0].startswith("train/n02/truncated.JPEG (")
+    assert report.examples["empty"][:2] == ["train/n02/empty.JPEG (0 bytes)", "val/n02/empty.JPEG (0 bytes)"]
+    assert report.examples["exif_rotated"] == ["train/n01/exif6.JPEG"]
+
+
+def test_check_data_in_parallel_equals_serial(bad_folder):
+    serial = check_image_folder(bad_folder, workers=0, max_image_pixels=LIMIT)
+    assert check_image_folder(bad_folder, workers=2, max_image_pixels=LIMIT).to_dict() == serial.to_dict()
+
+
+def test_check_data_cli_reports_and_exit_codes(bad_folder, tiny_imagefolder, tmp_path, capsys):
+    args = ["check-data", str(bad_folder), "--workers", "2", "--max-image-pixels", str(LIMIT)]
+    assert main([*args, "--json", str(tmp_path / "report.json")]) == 1  # bad files found
+    out = capsys.readouterr().out
+    assert "truncated" in out and "train/n02/truncated.JPEG" in out and "png_named_jpeg" in out
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["num_bad"] == len(BAD_FILES) + 1 and written["bad"]["decompression_bomb"] == 1
+    assert main(["check-data", str(tiny_imagefolder), "--workers", "0"]) == 0  # no bad files
+    assert "grayscale" in capsys.readouterr().out  # its grayscale files are reported, not counted as bad
+    assert main(["check-data", str(tiny_imagefolder / "train"), "--json", str(tmp_path / "split.json")]) == 0
+    assert json.loads((tmp_path / "split.json").read_text())["files_per_split"] == {"train": 18}  # one split folder
+    assert main(["check-data", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "nowhere") in err and "train/<class>" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"")
+    assert main(["check-data", str(tmp_path / "flat")]) == 2  # no class folders
