@@ -1,7 +1,8 @@
 """Command line: parse, resolve a config, call the library, map errors to exit codes.
 
-Exit codes: 0 success, 1 unexpected failure, 2 bad input (config, paths, checkpoints),
-130 interrupted.
+Exit codes: 0 success, 1 unexpected failure, 2 bad input (config, paths, checkpoints, more
+undecodable images than data.max_bad_fraction allows), 130 interrupted; check-data: 1 when it
+found bad files.
 """
 
 from __future__ import annotations
@@ -91,7 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_parser(commands)
     _add_slurm_parser(commands)
+    _add_check_data_parser(commands)
     return parser
+
+
+def _add_check_data_parser(commands) -> None:
+    check = commands.add_parser(
+        "check-data",
+        help="decode every image of a dataset folder in parallel and report odd and bad files (exit 1 if bad)",
+    )
+    check.add_argument("root", type=Path, help="dataset root (train/<class>/*, val/<class>/*) or one split folder")
+    check.add_argument("--workers", type=int, default=None, help="decode processes (default: one per CPU core)")
+    check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    check.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        help="refuse images with more pixels as decompression bombs (default: data.max_image_pixels's default)",
+    )
 
 
 def _add_bench_parser(commands) -> None:
@@ -384,6 +402,20 @@ def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], sett
     return 0
 
 
+def command_check_data(args: argparse.Namespace) -> int:
+    from vitrain.data.check import check_image_folder, format_report
+
+    if args.workers is not None and args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: decode in this process)")
+    if args.max_image_pixels is not None and args.max_image_pixels < 1:
+        raise ConfigError(f"--max-image-pixels {args.max_image_pixels}: must be >= 1")
+    limit = args.max_image_pixels or Config().data.max_image_pixels
+    report = check_image_folder(args.root, workers=args.workers, max_image_pixels=limit)
+    print(format_report(report))
+    _write_json(args.json, report.to_dict())
+    return 1 if report.num_bad else 0
+
+
 COMMANDS = {
     "train": command_train,
     "eval": command_eval,
@@ -395,6 +427,7 @@ COMMANDS = {
     "list-models": command_list_models,
     "bench": command_bench,
     "slurm": command_slurm,
+    "check-data": command_check_data,
 }
 
 

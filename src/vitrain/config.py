@@ -66,6 +66,11 @@ class DataConfig(Section):
     """Use only the first N evaluation samples (quick runs)."""
     num_workers: int = Field(4, ge=0)
     """Decode worker processes for file-backed sources (in-memory sources need none)."""
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    """Image folders: stop when more than this fraction of a split's files cannot be decoded (below it each is
+    skipped, replaced by the next decodable file and counted in summary.json); 0 stops at the first."""
+    max_image_pixels: int = Field(2 * 89_478_485, ge=1)
+    """Image folders: a file with more pixels is refused as a decompression bomb (default: Pillow's own limit)."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range, as fractions of the image."""
     ratio: tuple[float, float] = (3 / 4, 4 / 3)

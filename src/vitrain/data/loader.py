@@ -11,10 +11,16 @@ With several processes (``plan.world``), batch sizes are global: every rank walk
 batches and takes its contiguous slice of each (rank r: images r*b .. (r+1)*b - 1 of the batch,
 b = global / world size), so the ranks together see exactly what one process would see. Evaluation
 shards the eval set (rank r: samples r, r + world, ...); the accuracy sums are reduced across ranks.
+
+Image files that cannot be decoded (``vitrain.data.decode``) are skipped: in training replaced by the
+next decodable file, in evaluation left out. Each loader counts them by reason in its ``bad_images``
+log (in the main process: the workers send them with the batch) and stops the run past
+``data.max_bad_fraction`` of its split.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from vitrain.config import DataConfig, Plan
+from vitrain.config import ConfigError, DataConfig, Plan
 from vitrain.data import sources
+from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
 from vitrain.data.transforms import (
     batch_eval_resize,
     batch_random_resized_crop,
@@ -35,6 +42,7 @@ from vitrain.data.transforms import (
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+log = logging.getLogger("vitrain")
 
 
 def derive_seed(*parts: int) -> int:
@@ -57,6 +65,7 @@ class InMemoryLoader:
         self.image_size = self.config.image_size
         self.batch_size = plan.global_batch if train else plan.eval_batch
         self.epoch, self.start_sample = 0, 0
+        self.bad_images = BadImageLog([], 1.0, "in-memory")  # decoded once, nothing to skip
 
     def configure(self, image_size: int, batch_size: int) -> None:
         self.image_size, self.batch_size = image_size, batch_size
@@ -146,36 +155,128 @@ def draft_size(config: DataConfig, image_size: int, train: bool) -> int:
     return eval_resize_size(image_size, config.crop_pct)
 
 
+class TooManyBadImages(ConfigError):
+    """More of a split's image files failed to decode than ``data.max_bad_fraction`` allows (CLI exit 2)."""
+
+
+BadEvent = tuple[int, str, str]
+"""A sample that failed to decode: (index, reason code, detail)."""
+
+
+class BadImageLog:
+    """The bad image files one loader met (in this process): path -> (reason, detail). Each is logged
+    once, with its reason; past ``max_fraction`` of the split's files, :class:`TooManyBadImages`."""
+
+    EXAMPLES = 3
+
+    def __init__(self, samples: list[tuple[str, int]], max_fraction: float, split: str):
+        self.samples, self.max_fraction, self.split = samples, max_fraction, split
+        self.bad: dict[str, tuple[str, str]] = {}
+
+    def record(self, events: list[BadEvent]) -> None:
+        for index, reason, detail in events:
+            path = self.samples[index][0]
+            if path not in self.bad:
+                self.bad[path] = (reason, detail)
+                log.warning("bad %s image skipped: %s (%s: %s)", self.split, path, reason, detail)
+        if len(self.bad) > self.max_fraction * len(self.samples):
+            raise TooManyBadImages(self.describe_abort())
+
+    def counts(self) -> dict[str, int]:
+        """Bad files by reason code."""
+        counts: dict[str, int] = {}
+        for reason, _ in self.bad.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def describe_abort(self, no_image_decodes: bool = False) -> str:
+        """One line: how many files are bad, by reason with example paths, and the two ways on."""
+        examples = {
+            reason: [path for path, (other, _) in self.bad.items() if other == reason] for reason in self.counts()
+        }
+        listing = "; ".join(
+            f"{reason} {len(paths)} (e.g. {', '.join(paths[: self.EXAMPLES])})" for reason, paths in examples.items()
+        )
+        if no_image_decodes:
+            headline = f"none of the {len(self.samples)} {self.split} images decodes"
+        else:
+            headline = (
+                f"{len(self.bad)} of the {len(self.samples)} {self.split} images cannot be decoded "
+                f"({100 * len(self.bad) / len(self.samples):.1f}% > data.max_bad_fraction={self.max_fraction:g})"
+            )
+        return (
+            f"data.root: {headline}: {listing}; list them all with `vitrain check-data <data.root>` and repair "
+            "or remove them, or raise data.max_bad_fraction to train without them"
+        )
+
+    def state_dict(self) -> dict[str, list[str]]:
+        return {path: [reason, detail] for path, (reason, detail) in self.bad.items()}
+
+    def load_state_dict(self, state: dict[str, list[str]]) -> None:
+        self.bad = {path: (reason, detail) for path, (reason, detail) in state.items()}
+
+
 class ImageFileDataset(Dataset):
-    """Decodes ``(path, label)`` samples with Pillow (RGB) and applies a seeded v2 transform.
+    """Decodes ``(path, label)`` samples to RGB (``decode_image``) and applies a seeded v2 transform.
 
     JPEGs decode at a reduced scale (Pillow ``draft``: 1/2, 1/4 or 1/8 in the DCT) when the
     output is small, so low-resolution curriculum stages also make decoding cheaper.
+
+    A file that cannot be decoded is reported with the item (``BadEvent``s, collected in the main
+    process) and, with ``replace_bad`` (training), replaced by the next sample in file order that
+    decodes (usually one of the same class), transformed with the original slot's seed: the same
+    slot always gets the same replacement, whatever the workers, the epoch order or a restart.
+    Without ``replace_bad`` (evaluation) the item has no image and the batch drops it.
     """
 
-    def __init__(self, samples: list[tuple[str, int]], transform, draft_side: int):
+    def __init__(
+        self,
+        samples: list[tuple[str, int]],
+        transform,
+        draft_side: int,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        replace_bad: bool = True,
+    ):
         self.samples, self.transform, self.draft_side = samples, transform, draft_side
+        self.max_image_pixels, self.replace_bad = max_image_pixels, replace_bad
+        self.known_bad: dict[int, BadEvent] = {}  # per worker process: a bad file is decoded once
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, key: tuple[int, int]) -> Batch:
+    def _try_decode(self, index: int) -> Image.Image | BadEvent:
+        if index in self.known_bad:
+            return self.known_bad[index]
+        try:
+            return decode_image(self.samples[index][0], self.draft_side, self.max_image_pixels).image
+        except BadImage as error:
+            self.known_bad[index] = (index, error.reason, error.detail)
+            return self.known_bad[index]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | None, int, list[BadEvent]]:
         index, sample_seed = key
-        path, label = self.samples[index]
-        with Image.open(path) as image:
-            if image.format == "JPEG":
-                # draft keeps both sides >= the requested box, so ask for the short side
-                # scaled to the aspect ratio: the short side stays >= draft_side
-                width, height = image.size
-                scale = self.draft_side / min(width, height)
-                image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
-            image = image.convert("RGB")
-        # The transform draws from torch's global RNG; seed it per sample, without disturbing
-        # the caller's stream, so augmentation is independent of workers and restarts.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed)
-            tensor = self.transform(image)
-        return tensor, torch.tensor(label)
+        events: list[BadEvent] = []
+        attempts = len(self.samples) if self.replace_bad else 1
+        for candidate in (index + offset for offset in range(attempts)):
+            decoded = self._try_decode(candidate % len(self.samples))
+            if isinstance(decoded, tuple):
+                events.append(decoded)
+                continue
+            # The transform draws from torch's global RNG; seed it per sample, without disturbing
+            # the caller's stream, so augmentation is independent of workers and restarts.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed)
+                tensor = self.transform(decoded)
+            return tensor, self.samples[candidate % len(self.samples)][1], events
+        return None, self.samples[index][1], events
+
+
+def collate_decoded(items: list[tuple[torch.Tensor | None, int, list[BadEvent]]]):
+    """``(images, labels, bad events)`` of a batch; items without an image are left out (images and
+    labels are None when none is left)."""
+    kept = [(image, label) for image, label, _ in items if image is not None]
+    images, labels = default_collate(kept) if kept else (None, None)
+    return images, labels, [event for _, _, events in items for event in events]
 
 
 class FileLoader:
@@ -184,6 +285,8 @@ class FileLoader:
 
     def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
         self.samples, self.plan, self.train = samples, plan, train
+        split = "training" if train else "evaluation"
+        self.bad_images = BadImageLog(samples, plan.config.data.max_bad_fraction, split)
         world = plan.world
         self.sampler = SeededSampler(len(samples), plan.config.train.seed, train, world.data_rank, world.data_size)
         self.image_size, self.batch_size, self.loader = 0, 0, None
@@ -197,13 +300,20 @@ class FileLoader:
         transform = (
             build_train_transform(config, image_size) if self.train else build_eval_transform(config, image_size)
         )
-        dataset = ImageFileDataset(self.samples, transform, draft_size(config, image_size, self.train))
+        dataset = ImageFileDataset(
+            self.samples,
+            transform,
+            draft_size(config, image_size, self.train),
+            config.max_image_pixels,
+            replace_bad=self.train,
+        )
         workers = config.num_workers
         self.sampler.set_batch_size(batch_size)
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size // self.plan.world.data_size,
             sampler=self.sampler,
+            collate_fn=collate_decoded,
             drop_last=self.train,
             num_workers=workers,
             pin_memory=self.plan.device.startswith("cuda"),
@@ -218,7 +328,14 @@ class FileLoader:
         self.sampler.set_position(epoch, start_sample)
 
     def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
+        for images, labels, events in self.loader:
+            if events:
+                self.bad_images.record(events)  # raises past data.max_bad_fraction
+            if images is None:
+                if self.train:
+                    raise TooManyBadImages(self.bad_images.describe_abort(no_image_decodes=True))
+                continue  # an evaluation batch of bad files only
+            yield images, labels
 
 
 def _in_memory_split(plan: Plan, split: str) -> sources.InMemoryDataset:

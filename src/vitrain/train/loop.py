@@ -109,6 +109,10 @@ class Run:
             "state": self.state.state_dict(),
             "rng": capture_rng_state(),
             "config": self.plan.config.model_dump(mode="json"),
+            "bad_images": {
+                "train": self.train_loader.bad_images.state_dict(),
+                "eval": self.eval_loader.bad_images.state_dict(),
+            },
             "plan": {
                 "lr": self.plan.lr,
                 "global_batch": self.plan.global_batch,
@@ -139,6 +143,9 @@ class Run:
         self.step_fn.weights_changed()
         self.state = TrainState.from_state_dict(payload["state"])
         restore_rng_state(payload["rng"])
+        bad_images = payload.get("bad_images", {})  # absent from checkpoints of older versions
+        self.train_loader.bad_images.load_state_dict(bad_images.get("train", {}))
+        self.eval_loader.bad_images.load_state_dict(bad_images.get("eval", {}))
 
 
 def build_training_step(plan: Plan) -> TrainStep:
@@ -270,6 +277,8 @@ def _write_summary(
         "checkpoint_s": state.checkpoint_s,
         "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
+        "bad_images": run.train_loader.bad_images.counts(),
+        "bad_eval_images": run.eval_loader.bad_images.counts(),
         **run_environment(plan.device),
     }
     if plan.world.is_main:
@@ -402,6 +411,7 @@ class Trainer:
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
             "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
             "image_size": self.stage.image_size if self.stage else None,
+            "bad_images": len(self.run.train_loader.bad_images.bad),
             **self._clocks(),
         }
         self.metrics.write(record)
