@@ -165,6 +165,12 @@ class TrainConfig(Section):
     channels_last: bool = False
     """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
     convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
+    compile: bool = False
+    """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
+    model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
+    eval batch is padded) is compiled before the training clock starts, so budgets do not pay for it."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (inductor; cudagraphs, aot_eager, ... for debugging)."""
     seed: int = 0
     """Seed of model init, data order and augmentation."""
     device: str = "auto"

@@ -1,5 +1,5 @@
 """Sharding a built model over the processes of a run, from outside the model (STYLE.md §1.3), in
-torchtitan's order: tensor parallelism -> activation checkpointing -> FSDP2.
+torchtitan's order: tensor parallelism -> activation checkpointing -> compile -> FSDP2.
 
 - **Mesh.** One named device mesh: ``("dp",)`` for fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
   fsdp+tp (tensor-parallel peers are adjacent ranks, so on a cluster they share a node).
@@ -116,6 +116,15 @@ def apply_buffer_sync(model: nn.Module, mesh: DeviceMesh) -> None:
     model.register_forward_pre_hook(broadcast_buffers)
 
 
+def apply_block_compile(model: nn.Module, backend: str) -> None:
+    """``torch.compile`` every block in place (torchtitan's per-block compile: blocks of one class share a
+    graph, so compiling costs one block per input shape, not the whole model). Shapes are static: each
+    new one compiles once (the loop warms them all before its clock), so the recompile limit must cover
+    them; the loop raises it to the number of shapes of the run."""
+    for block in model.block_modules():
+        block.compile(backend=backend, dynamic=False)
+
+
 def apply_model_parallelism(model: nn.Module, plan: Plan) -> DeviceMesh:
     """fsdp / tp / fsdp+tp: shard ``model`` in place (TP -> activation checkpointing -> FSDP); returns the mesh."""
     mesh = build_mesh(plan)
@@ -124,6 +133,8 @@ def apply_model_parallelism(model: nn.Module, plan: Plan) -> DeviceMesh:
         apply_tensor_parallel(model, mesh["tp"])
     if plan.config.train.activation_checkpointing:
         apply_activation_checkpointing(model, plan.config.train.activation_checkpointing)
+    if plan.config.train.compile:
+        apply_block_compile(model, plan.config.train.compile_backend)
     if "fsdp" in strategy:
         apply_fsdp(model, mesh["dp"], plan)
         apply_buffer_sync(model, mesh)

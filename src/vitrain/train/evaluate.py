@@ -20,16 +20,22 @@ def evaluate(
     precision: str,
     device: str,
     replicas: int = 1,
+    pad_to: int | None = None,
 ) -> dict[str, float]:
     """Accuracy in percent; ``prepare`` turns a uint8 batch into the model's input. ``replicas``: how many
-    processes evaluated each sample (tensor-parallel peers share their data), so sums count it once."""
+    processes evaluated each sample (tensor-parallel peers share their data), so sums count it once.
+    ``pad_to``: a smaller last batch is padded to this size (outputs of the padding dropped), so a
+    compiled model sees one shape."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # count, top1, top5, loss sum
     for images, labels in loader:
         images, labels = prepare(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
+        count = len(images)
+        if pad_to is not None and count < pad_to:
+            images = torch.cat([images, images.new_zeros((pad_to - count, *images.shape[1:]))])
         with autocast_context(precision, device):
-            logits = model(images).float()
+            logits = model(images)[:count].float()
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
         totals += torch.stack(

@@ -40,13 +40,13 @@ from vitrain.metrics import JsonlWriter, NullWriter, run_environment
 from vitrain.models import build_model, load_pretrained, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
 from vitrain.parallel.distributed import all_reduce_, barrier, broadcast_object, rank0_value, wrap_data_parallel
-from vitrain.parallel.parallelize import apply_model_parallelism
+from vitrain.parallel.parallelize import apply_block_compile, apply_model_parallelism
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
 from vitrain.train.state import TrainState, capture_rng_state, restore_rng_state
-from vitrain.train.step import TrainStep, build_grad_scaler
+from vitrain.train.step import TrainStep, autocast_context, build_grad_scaler, deferred_gradient_sync
 
 log = logging.getLogger("vitrain")
 
@@ -171,6 +171,8 @@ def build_training_step(plan: Plan) -> TrainStep:
     step.micro_batch = plan.config.train.micro_batch_size
     if plan.config.train.activation_checkpointing and not sharded:  # on the module that runs (O2: its copy)
         apply_activation_checkpointing(step.forward_module, plan.config.train.activation_checkpointing)
+    if plan.config.train.compile and not sharded:
+        apply_block_compile(step.forward_module, plan.config.train.compile_backend)
     if plan.world.size > 1:
         if not sharded:
             step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
@@ -178,6 +180,52 @@ def build_training_step(plan: Plan) -> TrainStep:
         # draws (tensor-parallel peers compute one slice together, so they draw alike)
         torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
     return step
+
+
+def eval_batch_per_process(plan: Plan) -> int:
+    return plan.eval_batch // plan.world.data_size
+
+
+def forward_shapes(plan: Plan) -> list[tuple[int, int]]:
+    """(batch, image size) of every forward pass the run will make: each stage's accumulation pieces
+    (the last piece may be smaller) and evaluation (at data.image_size, padded to full batches)."""
+    shapes = []
+    for stage in plan.stages:
+        share = stage.batch_size // plan.world.data_size
+        micro = min(plan.config.train.micro_batch_size or share, share)
+        shapes += [(micro, stage.image_size)] + ([(share % micro, stage.image_size)] if share % micro else [])
+    return list(dict.fromkeys(shapes))
+
+
+def warm_up_compiled_shapes(run: Run) -> float:
+    """Compile every training shape (forward and backward) and the eval shape before the clock starts;
+    weights, optimizer, BatchNorm statistics and RNG states are left as they were. Returns seconds."""
+    plan, step_fn = run.plan, run.step_fn
+    started = time.perf_counter()
+    shapes = forward_shapes(plan)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes) + 2)
+    buffers = {name: buffer.clone() for name, buffer in run.model.named_buffers()}
+    rng = capture_rng_state()
+    for batch, size in shapes:
+        images = torch.zeros(batch, plan.in_chans, size, size, device=plan.device)
+        with deferred_gradient_sync(step_fn.forward_module):  # no gradient reduction across processes
+            step_fn.forward_logits(run.normalize(images)).float().sum().backward()
+    run.optimizer.zero_grad(set_to_none=True)
+    for module in (run.model, step_fn.forward_module):
+        for param in module.parameters():
+            param.grad = None
+    size = plan.config.data.image_size
+    with torch.inference_mode(), autocast_context(plan.precision, plan.device):
+        run.model.eval()
+        run.model(
+            run.normalize(torch.zeros(eval_batch_per_process(plan), plan.in_chans, size, size, device=plan.device))
+        )
+        run.model.train()
+    with torch.no_grad():
+        for name, buffer in run.model.named_buffers():
+            buffer.copy_(buffers[name])
+    restore_rng_state(rng)
+    return time.perf_counter() - started
 
 
 def build_run(plan: Plan) -> Run:
@@ -330,7 +378,13 @@ class Trainer:
         started = self.clock()
         plan = self.plan
         result = evaluate(
-            run.model, run.eval_loader, run.normalize, plan.precision, plan.device, replicas=plan.world.tp_size
+            run.model,
+            run.eval_loader,
+            run.normalize,
+            plan.precision,
+            plan.device,
+            replicas=plan.world.tp_size,
+            pad_to=eval_batch_per_process(plan) if plan.config.train.compile else None,
         )
         run.state.eval_s += self.clock() - started
         run.state.last_eval = result
@@ -539,6 +593,11 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
     else:
         metrics = NullWriter()
+    if plan.config.train.compile:
+        seconds = warm_up_compiled_shapes(run)
+        shapes = forward_shapes(plan)
+        log.info("compiled %d training shape(s) and the eval shape in %.1f s (outside the clock)", len(shapes), seconds)
+        metrics.write({"event": "compile", "step": run.state.step, "seconds": seconds, "shapes": shapes})
     try:
         return Trainer(run, metrics, clock).train()
     finally:

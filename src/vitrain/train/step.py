@@ -168,6 +168,10 @@ class TrainStep:
         if self.low_precision is not None:
             self.low_precision.push_weights()
 
+    def forward_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The training forward pass alone (compile warm-up)."""
+        return self._forward(images)
+
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.low_precision is not None:
             return self.forward_module(images.to(self.low_precision.dtype))
