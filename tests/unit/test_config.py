@@ -277,3 +277,13 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert len(err.splitlines()) == 1
+
+
+def test_checkpoint_cadence_and_skip_limit_reach_the_plan():
+    config = make_config("checkpoint.every_steps=500", "checkpoint.every_minutes=1.5", "train.max_skipped_steps=0")
+    plan = resolve(config, DATA, CPU_ONLY)
+    assert (plan.checkpoint_every_steps, plan.checkpoint_every_s) == (500, 90.0)
+    assert plan.config.train.max_skipped_steps == 0
+    defaults = resolve(make_config(), DATA, CPU_ONLY)
+    assert (defaults.checkpoint_every_steps, defaults.checkpoint_every_s) == (0, 0.0)
+    assert defaults.config.train.max_skipped_steps == 16
