@@ -18,7 +18,6 @@ import pytest
 
 from tests.conftest import assert_same_training_state
 from vitrain.checkpoint import find_latest_checkpoint, load_checkpoint
-from vitrain.checkpoint.manager import list_checkpoints
 from vitrain.metrics import read_jsonl
 
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -120,10 +119,10 @@ def test_sigkill_at_random_moments_and_mid_save_then_resume_equals_uninterrupted
         step = load_checkpoint(newest)["state"]["step"] if newest else 0  # never damaged: it loads
         assert step >= newest_step, (kind, step, newest_step)  # and never older than before the kill
         leftovers = [path.name for path in (run_dir / "checkpoints").glob("*.tmp-*")]
-        if kind == "mid-write":
-            assert leftovers, "the half-written checkpoint should be left behind, ignored"
-        if kind == "before-prune":
-            assert len(list_checkpoints(run_dir / "checkpoints")) > 2  # pruning never ran
+        if kind == "mid-write":  # the session's first save, half written: left behind and ignored
+            assert leftovers and step == newest_step, (leftovers, step, newest_step)
+        if kind == "before-prune":  # the session's first save is in place, though nothing was pruned yet
+            assert step > newest_step, (step, newest_step)
         figures.append((kind, round(delay, 2), _trained_step(run_dir), step, len(leftovers)))
         newest_step = step
     final = _final_checkpoint(Worker(run_dir, "none"))
