@@ -63,6 +63,18 @@ def tiny_imagefolder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tiny runs: the suite shares two cores with other work, where several
+    threads wait on each other (measured 5x slower per step under load)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_config(*overrides: str, base: Config | None = None) -> Config:
     return build_config(base or Config(), [], list(overrides))
 
@@ -86,3 +98,23 @@ def small_synthetic_overrides(tmp_path) -> list[str]:
         "data.scale=[0.5, 1.0]",
         "schedule.warmup_epochs=1",
     ]
+
+
+def assert_same_training_state(ours_path: Path, reference_path: Path) -> None:
+    """Two checkpoints hold bitwise the same training state: weights, optimizer state, loss scaler
+    and loop counters (times aside)."""
+    import torch
+
+    from vitrain.checkpoint import load_checkpoint
+
+    ours, reference = load_checkpoint(ours_path), load_checkpoint(reference_path)
+    for key, tensor in reference["model"].items():
+        assert torch.equal(ours["model"][key], tensor), key
+    ours_optimizer, reference_optimizer = ours["optimizer"]["state"], reference["optimizer"]["state"]
+    assert ours_optimizer.keys() == reference_optimizer.keys()
+    for index, values in reference_optimizer.items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(ours_optimizer[index][name]), torch.as_tensor(value)), (index, name)
+    assert ours["scaler"] == reference["scaler"]
+    counters = ("step", "images_seen", "epoch", "epoch_images", "skipped_steps", "skip_streak")
+    assert {key: ours["state"][key] for key in counters} == {key: reference["state"][key] for key in counters}

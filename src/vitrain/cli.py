@@ -1,8 +1,10 @@
 """Command line: parse, resolve a config, call the library, map errors to exit codes.
 
-Exit codes: 0 success, 1 unexpected failure, 2 bad input (config, paths, checkpoints, more
-undecodable images than data.max_bad_fraction allows), 130 interrupted; check-data: 1 when it
-found bad files.
+Exit codes: 0 success; 1 unexpected failure, or training diverged (too many non-finite steps in a
+row); 2 bad input (config, paths, checkpoints: unsafe, unreadable, unwritable or a full disk; more
+undecodable images than data.max_bad_fraction allows); 3 preempted (SIGTERM or SIGUSR1: the step
+finished, a checkpoint was saved; continue with ``--resume auto``); 130 interrupted (Ctrl-C, no
+checkpoint); check-data: 1 when it found bad files.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from vitrain.checkpoint import CheckpointError
 from vitrain.config import Config, ConfigError, Hardware, Plan, World, build_config, config_to_yaml, resolve
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
 from vitrain.train.loop import TrainingDiverged
+from vitrain.train.signals import Preempted
 
 log = logging.getLogger("vitrain")
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 3
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, with_recipe: bool = True) -> None:
@@ -448,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return 1
+    except Preempted as stop:
+        print(f"vitrain: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("vitrain: interrupted", file=sys.stderr)
         return 130

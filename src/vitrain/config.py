@@ -179,6 +179,10 @@ class TrainConfig(Section):
     """Run folder; {recipe} and {time} are filled in at start."""
     log_every_steps: int = Field(50, ge=1)
     """Write a metrics line every N steps (the only steps that synchronize with the device)."""
+    max_skipped_steps: int = Field(16, ge=0)
+    """A step whose loss or gradient norm is NaN/inf changes nothing (no update, like fp16 loss scaling);
+    more than this many such steps in a row stop the run with a diagnostic. 16: fp16's loss scale starts
+    at 2^16 and halves per skipped step, so 16 in a row means overflow even without scaling."""
     progress: bool | Literal["auto"] = "auto"
     """Live progress bar (true/false); auto shows it only on a terminal."""
 
@@ -219,8 +223,13 @@ class CheckpointConfig(Section):
     """file: one step-N.pt holding the full model and optimizer (rank 0 writes; FSDP/TP gather first);
     sharded: a step-N/ folder written by every rank with torch.distributed.checkpoint, loadable at any
     process count; auto: sharded for fsdp/tp runs of several processes, else file."""
+    every_steps: int = Field(0, ge=0)
+    """Also save every N optimizer steps, mid-epoch included (0: off); a resumed run still ends bitwise equal."""
+    every_minutes: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Also save when this many wall-clock minutes (evaluation included) have passed since this session's
+    last checkpoint or its start (0: off): bounds the work a crash or a kill can lose."""
     keep_last: int = Field(2, ge=1)
-    """Keep this many newest checkpoints."""
+    """Keep this many newest checkpoints, and also the one with the best eval top-1 (checkpoints/best.json)."""
 
 
 class ParallelConfig(Section):
@@ -472,6 +481,10 @@ class Plan:
     eval_every_epochs: int
     checkpoint_every_epochs: int
     checkpoint_format: Literal["file", "sharded"] = "file"
+    checkpoint_every_steps: int = 0
+    """Also checkpoint at every multiple of this many steps (0: off)."""
+    checkpoint_every_s: float = 0.0
+    """Also checkpoint when this many wall-clock seconds have passed since the last one (0: off)."""
     world: World = World()
     """The processes sharing the run; batches are global, each data slice takes global_batch / world.data_size."""
 
@@ -865,6 +878,8 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         checkpoint_every_epochs=config.checkpoint.every_epochs,
         checkpoint_format=checkpoint_format,
         world=world,
+        checkpoint_every_steps=config.checkpoint.every_steps,
+        checkpoint_every_s=60.0 * config.checkpoint.every_minutes,
     )
 
 

@@ -316,3 +316,13 @@ def test_tensor_parallel_peers_share_a_data_slice():
     assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).checkpoint_format == "file"
     single = resolve(make_config("model.name=vit_tiny6_patch7", "parallel.strategy=fsdp"), DATA, CPU_ONLY)
     assert (single.world.tp_size, single.checkpoint_format) == (1, "file")
+
+
+def test_checkpoint_cadence_and_skip_limit_reach_the_plan():
+    config = make_config("checkpoint.every_steps=500", "checkpoint.every_minutes=1.5", "train.max_skipped_steps=0")
+    plan = resolve(config, DATA, CPU_ONLY)
+    assert (plan.checkpoint_every_steps, plan.checkpoint_every_s) == (500, 90.0)
+    assert plan.config.train.max_skipped_steps == 0
+    defaults = resolve(make_config(), DATA, CPU_ONLY)
+    assert (defaults.checkpoint_every_steps, defaults.checkpoint_every_s) == (0, 0.0)
+    assert defaults.config.train.max_skipped_steps == 16

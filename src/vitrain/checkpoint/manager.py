@@ -1,13 +1,17 @@
 """Atomic checkpoints.
 
 A checkpoint is one file ``checkpoints/step-NNNNNNNNN.pt``. It is written under a temporary
-name, fsynced, then renamed into place, so a file with the final name is always complete; a
-crash mid-save leaves only a ``.tmp`` file that is ignored and cleaned up by the next save.
+name, fsynced, then renamed into place and the folder fsynced, so the final name is the completion
+marker: a file with that name is always complete, and a crash or SIGKILL at any moment (mid-save
+included) leaves at most a ``.tmp-`` file that is ignored and cleaned up by the next save. Older
+checkpoints are pruned only after the new one is in place. ``checkpoints/best.json`` names the
+checkpoint with the best eval top-1, which pruning keeps beside the newest ``keep_last``.
 Loading uses ``weights_only=True``: nothing but tensors and plain containers is unpickled.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -19,6 +23,7 @@ import torch
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{9})(\.pt)?$")
 """A single-file checkpoint ``step-N.pt`` or a sharded one, the folder ``step-N`` (checkpoint/sharded.py)."""
+BEST_RECORD = "best.json"
 
 
 class CheckpointError(RuntimeError):
@@ -31,6 +36,39 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds the old or the new content, never a part."""
+    path = Path(path)
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+class _RecordingWriter:
+    """A file for torch.save that keeps the OSError of a failed write: torch reports a full disk
+    only as 'unexpected pos' (a RuntimeError); this keeps the real reason for the message."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -50,6 +88,29 @@ def find_latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def read_best_record(folder: Path) -> dict[str, Any] | None:
+    """``{"step", "top1", "file"}`` of the best checkpoint in ``folder``, or None."""
+    try:
+        return json.loads((Path(folder) / BEST_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the best eval top-1 of the run, when it still exists."""
+    folder = Path(run_dir) / "checkpoints"
+    record = read_best_record(folder)
+    path = folder / record["file"] if record else None
+    return path if path is not None and path.is_file() else None
+
+
+def _unpickling_reason(error: pickle.UnpicklingError) -> str:
+    """The line of torch's refusal that names the object, without its advice to load unsafely."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    details = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    return (details or lines or ["unsupported object"])[0][:300].rstrip(".")
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -59,7 +120,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"checkpoint {path} holds objects that need arbitrary unpickling, which vitrain refuses "
-            f"(weights_only=True): {str(error).splitlines()[0]}"
+            f"(weights_only=True, no fallback: unpickling can run any code): {_unpickling_reason(error)}; "
+            "use a checkpoint written by vitrain, or save trusted weights as a plain state dict of tensors"
         ) from None
     except (RuntimeError, EOFError, OSError) as error:
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated or not a checkpoint?): {error}") from None
@@ -73,36 +135,60 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:09d}.pt"
 
-    def save(self, payload: dict[str, Any], step: int) -> Path:
+    def save(self, payload: dict[str, Any], step: int, top1: float | None = None) -> Path:
+        """Write the checkpoint of ``step`` atomically; ``top1``: its eval accuracy, when it has one."""
         final = self.path_for(step)
         temporary = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        writer = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(temporary, "wb") as handle:
-                torch.save(payload, handle)
+                writer = _RecordingWriter(handle)
+                torch.save(payload, writer)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, final)
             _fsync_dir(self.folder)
-        except OSError as error:
+        except (OSError, RuntimeError) as error:
             temporary.unlink(missing_ok=True)
+            reason = writer.error if writer is not None and writer.error is not None else error
+            if not isinstance(reason, OSError):
+                raise  # not an I/O failure: a bug, with its traceback
             raise CheckpointError(
-                f"cannot write checkpoint {final}: {error.strerror or error}; free disk space or choose a "
+                f"cannot write checkpoint {final}: {reason.strerror or reason}; free disk space or choose a "
                 "writable train.out_dir (the previous checkpoint is intact)"
             ) from None
+        if top1 is not None:
+            self._record_if_best(step, top1)
         self._prune()
         return final
 
     def prune(self) -> None:
-        """Remove what crashed saves left and all but the newest ``keep_last`` checkpoints."""
+        """Remove what crashed saves left and all but the newest ``keep_last`` checkpoints (and the best)."""
         self._prune()
+
+    def _record_if_best(self, step: int, top1: float) -> None:
+        best = read_best_record(self.folder)
+        if best is not None and top1 <= best["top1"] and (self.folder / best["file"]).is_file():
+            return
+        record = {"step": step, "top1": top1, "file": self.path_for(step).name}
+        try:
+            write_file_atomic(self.folder / BEST_RECORD, (json.dumps(record) + "\n").encode())
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot write {self.folder / BEST_RECORD}: {error.strerror or error}; free disk space "
+                f"(checkpoint {self.path_for(step).name} itself is complete)"
+            ) from None
 
     def _prune(self) -> None:
         for leftover in self.folder.glob("*.tmp-*"):
             leftover.unlink(missing_ok=True)
         for leftover in self.folder.glob("step-*.tmp"):  # a sharded save cut off before its rename
             shutil.rmtree(leftover, ignore_errors=True)
+        best = read_best_record(self.folder)
         for _, path in list_checkpoints(self.folder)[: -self.keep_last]:
+            if best is not None and path.name == best["file"]:
+                continue
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -20,7 +21,10 @@ class JsonlWriter:
         if truncate_after_step is not None and self.path.exists():
             # A resumed run repeats the steps after its checkpoint; drop their stale lines.
             kept = [record for record in read_jsonl(self.path) if record.get("step", 0) <= truncate_after_step]
-            self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            # a new file renamed over the old: a crash here must not lose the records of the run so far
+            temporary = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+            temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            os.replace(temporary, self.path)
         self.handle = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed by close())
 
     def write(self, record: dict[str, Any]) -> None:

@@ -17,6 +17,10 @@ from vitrain.config import World
 
 log = logging.getLogger("vitrain")
 
+_host_group: dist.ProcessGroup | None = None
+"""A gloo group beside NCCL for decisions agreed on the host (stop, checkpoint), so they never wait for
+the GPU; None: the default group is gloo already."""
+
 
 def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
     """Join the run's process group (a no-op for one process). Collectives that wait longer than
@@ -30,12 +34,17 @@ def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=torch.device("cuda", world.local_rank) if cuda else None,
     )
+    if cuda:
+        global _host_group
+        _host_group = dist.new_group(backend="gloo")
     log.info("process group: rank %d of %d (%s)", world.rank, world.size, dist.get_backend())
 
 
 def close_distributed() -> None:
+    global _host_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _host_group = None
 
 
 def active() -> bool:
@@ -69,6 +78,25 @@ def rank0_value(value: float, device: str) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.broadcast(tensor, src=0)
     return float(tensor.item())
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true on every rank when it is true on any: decisions all ranks must take at the same
+    step (stop on a signal one rank received, checkpoint by wall-clock). Agreed on the host over gloo."""
+    if not active():
+        return flags
+    tensor = torch.tensor(flags, dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_host_group)
+    return tuple(bool(value) for value in tensor.tolist())
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` for one process)."""
+    if not active():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=_host_group)
+    return gathered
 
 
 def barrier() -> None:

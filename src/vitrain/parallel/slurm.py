@@ -2,9 +2,12 @@
 
 One Slurm task per node runs torchrun, which starts G workers and joins the other nodes through a
 c10d rendezvous on the job's first node (torchrun's own elastic agent, no home-made launcher).
-Slurm sends SIGUSR1 a few minutes before the time limit (or on preemption with a grace time): the
-batch shell passes it on to the workers (torchrun forwards it), requeues the job, and the requeued
-job continues with ``--resume auto`` from the newest complete checkpoint of the same run folder.
+Slurm sends SIGUSR1 a few minutes before the time limit: the batch shell passes it on to the
+workers (srun and torchrun forward it), which finish their step, write a checkpoint and exit with
+code 3 (``vitrain.cli.EXIT_PREEMPTED``; torchrun itself then exits non-zero); once the job step has
+ended, the shell requeues the job, which continues with ``--resume auto`` from the newest complete
+checkpoint of the same run folder. (Requeueing earlier would have Slurm kill the workers while they
+write the checkpoint.) SIGTERM, which Slurm sends on preemption or ``scancel``, also checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ class SlurmJob:
     cpus_per_gpu: int = 8
     signal_before_s: int = 180
     """Seconds before the time limit at which Slurm sends SIGUSR1 (checkpoint, then requeue)."""
+    shutdown_grace_s: int = 150
+    """How long torchrun waits for its workers after forwarding a signal before it kills them (its default,
+    30 s, may cut a large checkpoint short); keep it below signal_before_s."""
     numa_binding: bool = True
     """torchrun --numa-binding=node: each worker on the CPUs of its GPU's NUMA node."""
     port: int = 29500
@@ -44,6 +50,7 @@ def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
+        f"--shutdown-timeout={job.shutdown_grace_s}",
         *(["--numa-binding=node"] if job.numa_binding else []),
         "-m vitrain train --resume auto",
         *(shlex.quote(arg) for arg in train_args),
@@ -70,18 +77,25 @@ def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
         "export MASTER_ADDR MASTER_PORT",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-" + str(job.cpus_per_gpu) + "}",
         "",
-        "# time limit or preemption: the workers checkpoint (SIGUSR1), the job goes back in the queue",
-        "requeue() {",
-        '    echo "vitrain: SIGUSR1, requeueing job $SLURM_JOB_ID"',
-        '    kill -USR1 "$step" 2>/dev/null || true',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        "# time limit: the workers finish their step, checkpoint and exit (code 3); then the job is requeued",
+        "preempted=0",
+        "forward_usr1() {",
+        '    echo "vitrain: SIGUSR1, checkpointing before requeueing job $SLURM_JOB_ID"',
+        "    preempted=1",
+        '    kill -USR1 "${step:-}" 2>/dev/null || true',
         "}",
-        "trap requeue USR1",
+        "trap forward_usr1 USR1",
         "",
         "srun --kill-on-bad-exit=1 \\",
         "    " + " \\\n    ".join(torchrun) + " &",
         "step=$!",
-        'wait "$step" || wait "$step"  # the second wait outlasts the trap handler',
+        "status=0",
+        'wait "$step" || status=$?',
+        'if [ "$preempted" = 1 ]; then',
+        '    status=0; wait "$step" || status=$?  # the trap cut the first wait short: wait for the checkpoint',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
         "",
     ]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The training run: a row of named phases over a resolved :class:`Plan`.
 
 build (model on meta -> materialize -> init, optimizer, schedule, loaders, checkpoints)
--> maybe resume -> loop (step, log, eval, checkpoint by cadence) -> finish (summary).
+-> maybe resume -> loop (step, log, eval, checkpoint by cadence or signal) -> finish (summary).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-from vitrain.checkpoint import CheckpointManager, find_latest_checkpoint, load_checkpoint
+from vitrain.checkpoint import CheckpointError, CheckpointManager, find_latest_checkpoint, load_checkpoint
+from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.sharded import (
+    EXTRAS_FILE,
     holds_dtensors,
     is_sharded_checkpoint,
     load_model_state,
@@ -39,13 +41,23 @@ from vitrain.data.loader import derive_seed
 from vitrain.metrics import JsonlWriter, NullWriter, run_environment
 from vitrain.models import build_model, load_pretrained, num_parameters
 from vitrain.parallel import apply_activation_checkpointing
-from vitrain.parallel.distributed import all_reduce_, barrier, broadcast_object, rank0_value, wrap_data_parallel
+from vitrain.parallel.distributed import (
+    all_reduce_,
+    any_rank,
+    barrier,
+    broadcast_object,
+    gather_objects,
+    rank0_value,
+    wrap_data_parallel,
+)
 from vitrain.parallel.parallelize import apply_block_compile, apply_model_parallelism
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.evaluate import evaluate
 from vitrain.train.optim import build_optimizer
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
-from vitrain.train.state import TrainState, capture_rng_state, restore_rng_state
+from vitrain.train.signals import Preempted, StopSignals
+from vitrain.train.skips import SkipCounter
+from vitrain.train.state import TrainState, capture_rng_state, restore_rank_rng_state, restore_rng_state
 from vitrain.train.step import TrainStep, autocast_context, build_grad_scaler, deferred_gradient_sync
 
 log = logging.getLogger("vitrain")
@@ -54,7 +66,8 @@ CHECKPOINT_FORMAT = "vitrain-checkpoint-v1"
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the message names the step and what to try."""
+    """Too many steps in a row had a NaN/inf loss or gradient norm; the message names the step, LR,
+    gradient norm, last complete checkpoint and what to try."""
 
 
 def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
@@ -142,7 +155,10 @@ class Run:
         self.scaler.load_state_dict(payload["scaler"])
         self.step_fn.weights_changed()
         self.state = TrainState.from_state_dict(payload["state"])
-        restore_rng_state(payload["rng"])
+        world = self.plan.world
+        restore_rank_rng_state(
+            payload, world.rank, world.size, derive_seed(self.plan.config.train.seed, world.data_rank, self.state.step)
+        )
         bad_images = payload.get("bad_images", {})  # absent from checkpoints of older versions
         self.train_loader.bad_images.load_state_dict(bad_images.get("train", {}))
         self.eval_loader.bad_images.load_state_dict(bad_images.get("eval", {}))
@@ -176,6 +192,7 @@ def build_training_step(plan: Plan) -> TrainStep:
     if plan.world.size > 1:
         if not sharded:
             step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
+        step.agree_on_skip = lambda flag: all_reduce_(flag, "max")  # one rank's NaN skips the step everywhere
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
         # draws (tensor-parallel peers compute one slice together, so they draw alike)
         torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
@@ -291,6 +308,8 @@ def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
     if resume is None:
         return None
     if resume != "auto":
+        if not Path(resume).is_file():
+            raise CheckpointError(f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto")
         return Path(resume)
     template = plan.config.train.out_dir
     if "{time}" not in template:
@@ -301,8 +320,54 @@ def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
     return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
 
 
+def load_resume_payload(path: Path, plan: Plan) -> dict[str, Any]:
+    """The checkpoint to resume from, refused (CheckpointError/ConfigError) when it is missing,
+    unreadable, needs arbitrary unpickling, or holds another model than the config's."""
+    payload = load_checkpoint(path / EXTRAS_FILE if is_sharded_checkpoint(path) else path)
+    saved_model = payload.get("config", {}).get("model", {}).get("name")
+    if saved_model != plan.config.model.name:
+        raise ConfigError(
+            f"--resume {path}: the checkpoint holds a {saved_model} but model.name={plan.config.model.name}; "
+            "resume with the config the run started with, or start from its weights with vitrain finetune --from"
+        )
+    return payload
+
+
+def resume_run(run: Run, payload: dict[str, Any], path: Path) -> None:
+    try:
+        if is_sharded_checkpoint(path):  # every rank reads its shards (DCP reshards to this process count)
+            run.load_checkpoint(path)
+        else:
+            run.load_payload(payload)
+    except (KeyError, RuntimeError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run ({str(error).splitlines()[0][:200]}); "
+            "resume with the config the run started with"
+        ) from None
+    log.info("resumed from %s at step %d", path, run.state.step)
+
+
+def prepare_run_folder(plan: Plan) -> None:
+    """Create the run folder and write the resolved config; an unwritable folder is a ConfigError."""
+    if not plan.world.is_main:
+        return
+    try:
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(plan.out_dir / "config.yaml", config_to_yaml(plan.config).encode())
+    except OSError as error:
+        raise ConfigError(
+            f"train.out_dir={plan.out_dir}: cannot write the run folder ({error.strerror or error}); "
+            "choose a writable folder or free disk space"
+        ) from None
+
+
 def _write_summary(
-    run: Run, wall_s: float, images_this_session: int, session_train_s: float, session_data_wait_s: float
+    run: Run,
+    wall_s: float,
+    images_this_session: int,
+    session_train_s: float,
+    session_data_wait_s: float,
+    preempted: str | None = None,
 ) -> dict[str, Any]:
     state, plan = run.state, run.plan
     summary = {
@@ -327,26 +392,38 @@ def _write_summary(
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
         "bad_images": run.train_loader.bad_images.counts(),
         "bad_eval_images": run.eval_loader.bad_images.counts(),
+        "skipped_steps": state.skipped_steps,
+        "preempted": preempted,
         **run_environment(plan.device),
     }
     if plan.world.is_main:
-        (plan.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_file_atomic(plan.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
 
 class Trainer:
     """Runs a :class:`Run` to the end of its plan: stages of the curriculum, epochs of the data,
-    windows of steps closed by one device sync (metrics line), eval and checkpoint at epoch ends."""
+    windows of steps closed by one device sync (metrics line), eval and checkpoint at epoch ends,
+    checkpoints by step or wall-clock cadence, and a checkpoint then :class:`Preempted` when one of
+    ``stop``'s signals arrived."""
 
-    def __init__(self, run: Run, metrics: JsonlWriter, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        run: Run,
+        metrics: JsonlWriter,
+        clock: Callable[[], float] = time.perf_counter,
+        stop: StopSignals | None = None,
+    ):
         self.run, self.metrics, self.clock = run, metrics, clock
         self.plan = run.plan
+        self.stop = stop or StopSignals()  # not entered: no signal is ever recorded
         self.stage: Stage | None = None
         self.last_eval_step = self.last_checkpoint_step = -1
         self.session_images, self.session_train_s, self.session_data_wait_s = 0, 0.0, 0.0
         self.window_images, self.window_started, self.window_data_wait_s = 0, 0.0, 0.0
-        self.last_outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.wall_started = clock()
+        self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
+        self.wall_started = self.last_checkpoint_at = clock()
 
     # --- clocks and position -----------------------------------------------------------------
 
@@ -406,9 +483,13 @@ class Trainer:
     def save_checkpoint(self) -> None:
         started = self.clock()
         run, world = self.run, self.plan.world
+        rng_by_rank = gather_objects(capture_rng_state())  # each rank draws its own dropout
         if self.plan.checkpoint_format == "sharded":  # every rank writes its shards
+            extras = run.checkpoint_extras()
+            if len(rng_by_rank) > 1:
+                extras["rng_by_rank"] = rng_by_rank
             final = run.checkpoints.path_for(run.state.step).with_suffix("")
-            path = save_sharded(final, run.checkpoint_payload(full=False), run.checkpoint_extras(), world.is_main)
+            path = save_sharded(final, run.checkpoint_payload(full=False), extras, world.is_main)
             if world.is_main:
                 run.checkpoints.prune()
                 log.info("saved %s", path)
@@ -416,10 +497,49 @@ class Trainer:
             gathered = self.plan.config.parallel.strategy != "ddp" and world.size > 1
             payload = run.checkpoint_payload() if gathered or world.is_main else None  # FSDP/TP: a collective
             if world.is_main:  # DDP: every rank holds the same state; one writes it
-                log.info("saved %s", run.checkpoints.save(payload, run.state.step))
+                if len(rng_by_rank) > 1:
+                    payload["rng_by_rank"] = rng_by_rank
+                path = run.checkpoints.save(payload, run.state.step, top1=self._top1_at_this_step())
+                log.info("saved %s", path)
         barrier()  # no rank runs ahead of a checkpoint it might need to resume from
         self.run.state.checkpoint_s += self.clock() - started
         self.last_checkpoint_step = self.run.state.step
+        self.last_checkpoint_at = self.clock()
+
+    def _top1_at_this_step(self) -> float | None:
+        """The eval top-1 of the weights being saved (None without an eval at this step): ranks 'best'."""
+        state = self.run.state
+        return state.last_eval["top1"] if state.last_eval and self.last_eval_step == state.step else None
+
+    def _checkpoint_or_stop(self, progress: tqdm) -> None:
+        """After a step: checkpoint by the step or wall-clock cadence, or, when a signal asked, checkpoint
+        and raise :class:`Preempted`. Several processes agree first, so all act at the same step."""
+        plan, state = self.plan, self.run.state
+        every_s = plan.checkpoint_every_s
+        due_by_time = every_s > 0 and self.clock() - self.last_checkpoint_at >= every_s
+        if plan.world.size > 1:
+            stop, due_by_time = any_rank(self.stop.received is not None, due_by_time)
+        else:
+            stop = self.stop.received is not None
+        if stop:
+            self._preempt(progress)
+        due_by_steps = plan.checkpoint_every_steps > 0 and state.step % plan.checkpoint_every_steps == 0
+        if (due_by_steps or due_by_time) and self.progress() < 1.0:  # the end of the run saves anyway
+            self._close_window(progress)
+            self.save_checkpoint()
+            self._open_window()
+
+    def _preempt(self, progress: tqdm) -> None:
+        state = self.run.state
+        signal_name = self.stop.received or "a signal to another process"
+        log.warning("%s: stopping after step %d with a checkpoint", signal_name, state.step)
+        self._close_window(progress)
+        self.metrics.write(
+            {"event": "preempted", "step": state.step, "epoch": self._epoch(), "signal": signal_name, **self._clocks()}
+        )
+        if self.last_checkpoint_step != state.step:
+            self.save_checkpoint()
+        raise Preempted(signal_name, state.step, self.run.checkpoints.path_for(state.step))
 
     def _progress_bar(self) -> tqdm:
         mode = self.plan.config.train.progress
@@ -444,12 +564,8 @@ class Trainer:
             return
         loss, grad_norm = self.last_outputs
         loss_value = all_reduce_(loss.detach().float().clone(), "mean").item()  # the host sync of the window
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {state.step} (lr {self.run.optimizer.param_groups[0]['lr']:.3g}); "
-                f"lower optim.lr, keep optim.grad_clip set, or use precision=bf16/fp32; last checkpoint: "
-                f"{find_latest_checkpoint(self.plan.out_dir) or 'none'}"
-            )
+        grad_norm_value = grad_norm.item()
+        self._check_skipped_steps(loss_value, grad_norm_value)
         elapsed = self.clock() - self.window_started
         state.train_s += elapsed
         self.session_train_s += elapsed
@@ -459,9 +575,10 @@ class Trainer:
             "event": "train",
             "step": state.step,
             "epoch": self._epoch(),
-            "loss": loss_value,
+            "loss": loss_value if math.isfinite(loss_value) else None,  # None: the last step was skipped
             "lr": self.run.optimizer.param_groups[0]["lr"],
-            "grad_norm": None if grad_norm is None else grad_norm.item(),
+            "grad_norm": grad_norm_value if math.isfinite(grad_norm_value) else None,
+            "skipped_steps": state.skipped_steps,
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
             "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
             "image_size": self.stage.image_size if self.stage else None,
@@ -471,6 +588,20 @@ class Trainer:
         self.metrics.write(record)
         progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", refresh=False)
         self._open_window()
+
+    def _check_skipped_steps(self, loss_value: float, grad_norm_value: float) -> None:
+        """Bring the skip counts into the state; stop when a streak passed train.max_skipped_steps."""
+        state, limit = self.run.state, self.plan.config.train.max_skipped_steps
+        state.skipped_steps, state.skip_streak, longest = self.skips.read()
+        if longest <= limit:
+            return
+        raise TrainingDiverged(
+            f"{longest} steps in a row had a non-finite loss or gradient norm and were skipped "
+            f"(train.max_skipped_steps={limit}); stopped at step {state.step} with loss {loss_value}, "
+            f"grad norm {grad_norm_value}, lr {self.run.optimizer.param_groups[0]['lr']:.3g}; skipped steps "
+            f"change no weights; last complete checkpoint: {find_latest_checkpoint(self.plan.out_dir) or 'none'}; "
+            "lower optim.lr, keep optim.grad_clip set, or use precision=bf16/fp32"
+        )
 
     def _enter_stage(self, stage: Stage) -> None:
         if stage != self.stage:
@@ -514,6 +645,7 @@ class Trainer:
             apply_lr(run.optimizer, scheduled_lr(plan, state, self.train_seconds()))
             images = run.normalize(images.to(plan.device, non_blocking=True))
             self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
+            self.skips.add(run.step_fn.skipped)
             state.step += 1
             images_in_step = len(labels) * plan.world.data_size  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
@@ -523,6 +655,7 @@ class Trainer:
             progress.update(round(position) - progress.n)
             if state.step % plan.config.train.log_every_steps == 0:
                 self._close_window(progress)
+            self._checkpoint_or_stop(progress)
             if self.progress() >= 1.0 or self.current_stage() != self.stage:
                 return False
 
@@ -542,22 +675,34 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         run, state = self.run, self.run.state
-        self.wall_started = self.clock()
+        self.wall_started = self.last_checkpoint_at = self.clock()
         self._open_window()
         run.model.train()
         with self._progress_bar() as progress:
-            while self.progress() < 1.0:
-                self._enter_stage(self.current_stage())
-                run.train_loader.start_epoch(state.epoch, state.epoch_images)
-                if self._train_in_stage(progress):
-                    self._end_epoch(progress)
+            try:
+                while self.progress() < 1.0:
+                    self._enter_stage(self.current_stage())
+                    run.train_loader.start_epoch(state.epoch, state.epoch_images)
+                    if self._train_in_stage(progress):
+                        self._end_epoch(progress)
+            except Preempted as preempted:
+                self._summary(preempted=preempted.signal_name)
+                raise
             self._close_window(progress)
         if self.last_eval_step != state.step:
             self.evaluate()
         if self.last_checkpoint_step != state.step:
             self.save_checkpoint()
+        return self._summary()
+
+    def _summary(self, preempted: str | None = None) -> dict[str, Any]:
         return _write_summary(
-            run, self.clock() - self.wall_started, self.session_images, self.session_train_s, self.session_data_wait_s
+            self.run,
+            self.clock() - self.wall_started,
+            self.session_images,
+            self.session_train_s,
+            self.session_data_wait_s,
+            preempted,
         )
 
 
@@ -565,19 +710,18 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary.
     ``clock`` (seconds) measures training time, hence budgets; tests inject a fake one."""
     checkpoint_path = broadcast_object(find_resume_checkpoint(resume, plan))  # rank 0's view of the folder
+    payload = None
     if checkpoint_path is not None:
         plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
+        payload = load_resume_payload(checkpoint_path, plan)  # refused before any work when it cannot serve
     elif resume == "auto":
         log.info("--resume auto: no checkpoint found, starting a new run")
+    prepare_run_folder(plan)
     run = build_run(plan)
-    if checkpoint_path is not None:
-        run.load_checkpoint(checkpoint_path)
-        log.info("resumed from %s at step %d", checkpoint_path, run.state.step)
+    if payload is not None:
+        resume_run(run, payload, checkpoint_path)
     elif plan.config.train.init_from is not None:
         apply_init_from(run, Path(plan.config.train.init_from))
-    if plan.world.is_main:
-        plan.out_dir.mkdir(parents=True, exist_ok=True)
-        (plan.out_dir / "config.yaml").write_text(config_to_yaml(plan.config))
     log.info(
         "%s: %s params, %s at batch %d, lr %.3g, %s on %s -> %s",
         plan.config.model.name,
@@ -599,6 +743,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
         log.info("compiled %d training shape(s) and the eval shape in %.1f s (outside the clock)", len(shapes), seconds)
         metrics.write({"event": "compile", "step": run.state.step, "seconds": seconds, "shapes": shapes})
     try:
-        return Trainer(run, metrics, clock).train()
+        with StopSignals() as stop:  # SIGTERM/SIGUSR1: finish the step, checkpoint, raise Preempted
+            return Trainer(run, metrics, clock, stop).train()
     finally:
         metrics.close()

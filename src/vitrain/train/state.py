@@ -25,6 +25,10 @@ class TrainState:
     checkpoint_s: float = 0.0
     best_top1: float | None = None
     last_eval: dict[str, float] | None = None
+    skipped_steps: int = 0
+    """Steps whose update was skipped because their loss or gradient norm was not finite."""
+    skip_streak: int = 0
+    """Skipped steps in a row up to now (train.max_skipped_steps bounds it)."""
 
     def epoch_position(self, num_train: int) -> float:
         """Epochs done, with the current one's fraction."""
@@ -59,3 +63,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def restore_rank_rng_state(payload: dict[str, Any], rank: int, world_size: int, fallback_seed: int) -> None:
+    """Restore this rank's RNG streams from a checkpoint payload. Every rank draws its own dropout, so
+    each rank's streams are saved (``rng_by_rank``); a checkpoint written by another number of processes
+    gives rank 0's streams and then a distinct torch stream per rank (``fallback_seed``)."""
+    by_rank = payload.get("rng_by_rank")
+    if by_rank and len(by_rank) == world_size:
+        restore_rng_state(by_rank[rank])
+        return
+    restore_rng_state(payload["rng"])
+    if world_size > 1:
+        torch.manual_seed(fallback_seed)

@@ -1,9 +1,16 @@
-"""One training step: forward, loss, backward, clip, optimizer. No I/O, no sync (the loop sets the LR)."""
+"""One training step: forward, loss, backward, clip, optimizer. No I/O, no sync (the loop sets the LR).
+
+A step whose loss or gradient norm is not finite changes nothing: no parameter, optimizer-state or
+BatchNorm-statistics update (fp16 loss scaling's semantics, for every precision). With a fused
+AdamW the skip happens on the device (the kernel's ``found_inf`` input, as torch's GradScaler uses
+it), so no step waits for the device; other optimizers read one flag per step on the host.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,14 +109,16 @@ def deferred_gradient_sync(module: nn.Module):
         yield
 
 
-def clip_gradients_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before.
+def clip_gradients_(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (None: leave them); return the norm before.
 
     Sharded gradients (DTensors of FSDP/TP) count each element once across processes: per-tensor norms
     are stacked per placement and reduced by DTensor; replicated ones count as they are (the same on
     every process). Plain gradients alone take torch's ``clip_grad_norm_``."""
     grads = [param.grad for param in parameters if param.grad is not None]
     if not any(isinstance(grad, DTensor) for grad in grads):
+        if max_norm is None:
+            return nn.utils.get_total_norm(grads, foreach=True)
         return nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
@@ -120,14 +129,56 @@ def clip_gradients_(parameters: list[nn.Parameter], max_norm: float) -> torch.Te
         norms = torch.stack([torch.linalg.vector_norm(grad) for grad in members])
         squares.append((norms.full_tensor() if key is not None else norms).square().sum())
     total = torch.stack(squares).sum().sqrt()
+    if max_norm is None:
+        return total
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
     torch._foreach_mul_(local, coefficient)
     return total
 
 
+class BatchNormStatistics:
+    """The running statistics of a model's BatchNorm layers, which every training forward updates:
+    kept before the forward so a skipped step can put them back (a NaN batch would poison them).
+    Flattened per dtype, so saving and restoring are a few kernels whatever the number of layers."""
+
+    def __init__(self, model: nn.Module):
+        self.buffers = [
+            buffer
+            for module in model.modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            for buffer in module.buffers(recurse=False)
+        ]
+        self.groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self.buffers:
+            self.groups.setdefault(buffer.dtype, []).append(buffer)
+        self.saved: dict[torch.dtype, torch.Tensor] = {}
+
+    def save(self) -> None:
+        self.saved = {dtype: _flat(group) for dtype, group in self.groups.items()}
+
+    @torch.no_grad()
+    def restore_where(self, skipped: torch.Tensor) -> None:
+        """Put the saved statistics back where ``skipped`` (a device flag) is set; no host sync."""
+        for dtype, group in self.groups.items():
+            chosen = torch.where(skipped.bool(), self.saved[dtype], _flat(group))
+            pieces = chosen.split([buffer.numel() for buffer in group])
+            torch._foreach_copy_(group, [piece.view_as(buffer) for piece, buffer in zip(pieces, group, strict=True)])
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused Adam/AdamW skip a step inside the kernel when ``found_inf`` is set. (Fused SGD would
+    keep uninitialized momentum buffers after a skipped first step, so it takes the host path.)"""
+    return isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
 class TrainStep:
-    """Callable holding what every step needs; returns the loss and grad norm as device tensors."""
+    """Callable holding what every step needs; returns the loss and grad norm as device tensors.
+    After each call ``skipped`` is a device flag (float 1.0 or 0.0): the step's update was skipped."""
 
     def __init__(
         self,
@@ -156,12 +207,17 @@ class TrainStep:
         # the module each step calls: the model or its O2 copy, possibly wrapped (DDP) from outside
         self.forward_module: nn.Module = self.low_precision.compute if self.low_precision else model
         self.micro_batch: int | None = None  # gradient accumulation: images per forward/backward
+        self.batchnorm = BatchNormStatistics(model)
+        self.device_skip = supports_device_skip(optimizer)
+        # several processes: all must skip alike (each sees only its own loss); set from outside
+        self.agree_on_skip: Callable[[torch.Tensor], torch.Tensor] = lambda flag: flag
+        self.skipped = torch.zeros((), device=device)
 
     def optimizer_context(self) -> contextlib.AbstractContextManager:
-        """Tensor parallelism leaves norms and embeddings as plain tensors beside the DTensors of the split
-        layers; the fused/foreach optimizers take plain ones as replicated (identical on every process)."""
-        kinds = {isinstance(param, DTensor) for param in self.model.parameters()}
-        return implicit_replication() if len(kinds) == 2 else contextlib.nullcontext()
+        """Sharded parameters are DTensors; plain tensors beside them (the norms and embeddings tensor
+        parallelism leaves whole, the fused optimizers' found_inf flag) count as replicated."""
+        sharded = any(isinstance(param, DTensor) for param in self.model.parameters())
+        return implicit_replication() if sharded else contextlib.nullcontext()
 
     def weights_changed(self) -> None:
         """Call after loading weights into the model (resume) so the compute copy follows."""
@@ -180,11 +236,13 @@ class TrainStep:
         with autocast_context(self.precision if self.autocast else "fp32", self.device):
             return self.forward_module(images)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step on the batch; with ``micro_batch`` set, gradients are accumulated over
-        micro-batches of that size (each loss weighted by its share, so the update is the batch's) and
-        DDP reduces them once, on the last."""
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the batch (skipped when the loss or gradient norm is not finite); with
+        ``micro_batch`` set, gradients are accumulated over micro-batches of that size (each loss weighted
+        by its share, so the update is the batch's) and DDP reduces them once, on the last."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.batchnorm.buffers:
+            self.batchnorm.save()
         micro = self.micro_batch or len(labels)
         pieces = list(zip(images.split(micro), labels.split(micro), strict=True))
         loss = torch.zeros((), device=labels.device)
@@ -198,13 +256,31 @@ class TrainStep:
             loss += piece_loss.detach()
         if self.low_precision is not None:
             self.low_precision.pull_grads()
-        grad_norm = None
-        if self.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = clip_gradients_(list(self.model.parameters()), self.grad_clip)
-        with self.optimizer_context():
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self.scaler.unscale_(self.optimizer)  # fp16: true gradients for the norm, the clip and the check
+        grad_norm = self._grad_norm()
+        self.skipped = self.agree_on_skip((~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float())
+        self._update(self.skipped)
+        self.scaler.update()  # fp16: a step with overflowing gradients also lowers the loss scale
+        if self.batchnorm.buffers:
+            self.batchnorm.restore_where(self.skipped)
         if self.low_precision is not None:
             self.low_precision.push_weights()
         return loss, grad_norm
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm, clipped to ``grad_clip`` when set."""
+        parameters = [parameter for parameter in self.model.parameters() if parameter.grad is not None]
+        return clip_gradients_(parameters, self.grad_clip)
+
+    def _update(self, skipped: torch.Tensor) -> None:
+        """The optimizer step, unless ``skipped``: on the device for fused Adam(W), else on the host."""
+        if self.device_skip:
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, skipped
+            try:
+                with self.optimizer_context():
+                    self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        elif not skipped.item():  # the host sync of this path
+            with self.optimizer_context():
+                self.optimizer.step()
