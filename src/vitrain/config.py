@@ -182,7 +182,7 @@ class TrainConfig(Section):
     max_skipped_steps: int = Field(16, ge=0)
     """A step whose loss or gradient norm is NaN/inf changes nothing (no update, like fp16 loss scaling);
     more than this many such steps in a row stop the run with a diagnostic. 16: fp16's loss scale starts
-    at 2^16 and halves per skipped step, so 16 in a row means overflow even without scaling."""
+    at 2^16 and halves per skipped step, so a 17th skip in a row would happen at scale 1 (no scaling)."""
     progress: bool | Literal["auto"] = "auto"
     """Live progress bar (true/false); auto shows it only on a terminal."""
 
