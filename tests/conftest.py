@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from vitrain.config import Config, build_config
+from vitrain.train.step import TrainStep
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -118,3 +119,30 @@ def assert_same_training_state(ours_path: Path, reference_path: Path) -> None:
     assert ours["scaler"] == reference["scaler"]
     counters = ("step", "images_seen", "epoch", "epoch_images", "skipped_steps", "skip_streak")
     assert {key: ours["state"][key] for key in counters} == {key: reference["state"][key] for key in counters}
+
+
+class StepClock:
+    """A fake clock that moves only when a training step runs (``seconds_per_step`` each) or when a
+    test advances it: training time is then exact and independent of the machine."""
+
+    def __init__(self, seconds_per_step: float = 1.0):
+        self.now, self.seconds_per_step = 0.0, seconds_per_step
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def step_clock(monkeypatch) -> StepClock:
+    clock = StepClock()
+    original = TrainStep.__call__
+
+    def timed_step(self, images, labels):
+        clock.shapes.append(tuple(images.shape))
+        outputs = original(self, images, labels)
+        clock.now += clock.seconds_per_step
+        return outputs
+
+    monkeypatch.setattr(TrainStep, "__call__", timed_step)
+    return clock

@@ -489,6 +489,11 @@ class Plan:
     """The processes sharing the run; batches are global, each data slice takes global_batch / world.data_size."""
 
     @property
+    def shards_model(self) -> bool:
+        """FSDP and/or tensor parallelism over several processes: the parameters become DTensors."""
+        return self.world.size > 1 and self.config.parallel.strategy != "ddp"
+
+    @property
     def total_steps(self) -> int | None:
         """Optimizer steps of the whole run, when known before it runs."""
         if self.duration_unit == "steps":
@@ -796,13 +801,26 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
     )
     checkpoint_format = config.checkpoint.format
     if checkpoint_format == "auto":
-        checkpoint_format = "sharded" if strategy != "ddp" and world.size > 1 else "file"
+        checkpoint_format = "sharded" if strategy != "ddp" and world.size > 1 else "file"  # Plan.shards_model
     return dataclasses.replace(world, tp_size=tp_size), checkpoint_format
 
 
 FP16_MIN_ADAM_EPS = 1e-4
 """Smallest AdamW eps allowed with fp16 weights: below it, squared gradients under fp16's 6e-8 floor
 leave eps alone in the denominator (measured: eps 1e-8 -> NaN, 1e-6 -> divergence, 1e-4 trains)."""
+
+
+def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...], world: World) -> None:
+    """Every global batch (training, evaluation, each curriculum stage's) splits over the data slices."""
+    for key, size in [("train.batch_size", batch), ("train.eval_batch_size", eval_batch)] + [
+        (f"curriculum stage at {stage.image_size} px: batch", stage.batch_size) for stage in stages[:-1]
+    ]:
+        slices = world.data_size
+        _require(
+            size % slices == 0,
+            f"{key}={size} is global and must split evenly over the {slices} data-parallel processes; "
+            f"use a multiple of {slices}",
+        )
 
 
 def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World = World()) -> Plan:
@@ -844,15 +862,7 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
     stages = _resolve_stages(config, patch, data.num_train)
     eval_batch = config.train.eval_batch_size or 2 * batch
-    for key, size in [("train.batch_size", batch), ("train.eval_batch_size", eval_batch)] + [
-        (f"curriculum stage at {stage.image_size} px: batch", stage.batch_size) for stage in stages[:-1]
-    ]:
-        slices = world.data_size
-        _require(
-            size % slices == 0,
-            f"{key}={size} is global and must split evenly over the {slices} data-parallel processes; "
-            f"use a multiple of {slices}",
-        )
+    _check_batches_split(batch, eval_batch, stages, world)
     return Plan(
         config=config,
         device=device,

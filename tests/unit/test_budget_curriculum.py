@@ -12,34 +12,6 @@ from vitrain.checkpoint import load_checkpoint
 from vitrain.cli import make_plan
 from vitrain.metrics import read_jsonl
 from vitrain.train import loop, train
-from vitrain.train.step import TrainStep
-
-
-class StepClock:
-    """A fake clock that moves only when a training step runs (``seconds_per_step`` each) or when a
-    test advances it: training time is then exact and independent of the machine."""
-
-    def __init__(self, seconds_per_step: float = 1.0):
-        self.now, self.seconds_per_step = 0.0, seconds_per_step
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def step_clock(monkeypatch) -> StepClock:
-    clock = StepClock()
-    original = TrainStep.__call__
-
-    def timed_step(self, images, labels):
-        clock.shapes.append(tuple(images.shape))
-        outputs = original(self, images, labels)
-        clock.now += clock.seconds_per_step
-        return outputs
-
-    monkeypatch.setattr(TrainStep, "__call__", timed_step)
-    return clock
 
 
 def _train_records(plan):

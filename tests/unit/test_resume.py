@@ -14,34 +14,8 @@ from vitrain.checkpoint import find_best_checkpoint, find_latest_checkpoint, loa
 from vitrain.cli import make_plan
 from vitrain.metrics import read_jsonl
 from vitrain.train import train
-from vitrain.train.step import TrainStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class StepClock:
-    """Moves one second per training step and nowhere else: training time is exact and the same
-    whether or not a run was interrupted."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def step_clock(monkeypatch) -> StepClock:
-    clock = StepClock()
-    original = TrainStep.__call__
-
-    def timed_step(self, images, labels):
-        outputs = original(self, images, labels)
-        clock.now += 1.0
-        return outputs
-
-    monkeypatch.setattr(TrainStep, "__call__", timed_step)
-    return clock
 
 
 SCENARIOS = {

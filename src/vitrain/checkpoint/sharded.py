@@ -305,16 +305,10 @@ def export_model(checkpoint: Path, out: Path) -> int:
     return len(weights)
 
 
-def holds_dtensors(model: nn.Module) -> bool:
-    """Whether FSDP or tensor parallelism has sharded ``model``'s parameters."""
-    return any(isinstance(param, DTensor) for param in model.parameters())
-
-
 __all__ = [
     "COMPLETE_MARKER",
     "SafeFileSystemReader",
     "export_model",
-    "holds_dtensors",
     "is_complete",
     "is_sharded_checkpoint",
     "load_model_state",

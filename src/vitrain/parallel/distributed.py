@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import World
@@ -109,3 +110,8 @@ def wrap_data_parallel(module: nn.Module, device: str) -> nn.Module:
     in buckets during the backward pass; rank 0's weights and buffers are broadcast at wrap time."""
     device_ids = [torch.device(device).index] if device.startswith("cuda") else None
     return DistributedDataParallel(module, device_ids=device_ids)
+
+
+def holds_dtensors(model: nn.Module) -> bool:
+    """Whether FSDP or tensor parallelism has sharded ``model``'s parameters (into DTensors)."""
+    return any(isinstance(param, DTensor) for param in model.parameters())

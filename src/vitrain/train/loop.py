@@ -25,7 +25,6 @@ from vitrain.checkpoint import CheckpointError, CheckpointManager, find_latest_c
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.sharded import (
     EXTRAS_FILE,
-    holds_dtensors,
     is_sharded_checkpoint,
     load_model_state,
     load_optimizer_state,
@@ -47,6 +46,7 @@ from vitrain.parallel.distributed import (
     barrier,
     broadcast_object,
     gather_objects,
+    holds_dtensors,
     rank0_value,
     wrap_data_parallel,
 )
@@ -170,7 +170,7 @@ def build_training_step(plan: Plan) -> TrainStep:
     model = build_model_for(plan)
     if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
         model.to(memory_format=torch.channels_last)
-    sharded = plan.world.size > 1 and plan.config.parallel.strategy != "ddp"
+    sharded = plan.shards_model
     if sharded:  # before the optimizer: sharding replaces the parameters by DTensors
         apply_model_parallelism(model, plan)
     optimizer = build_optimizer(model, plan)
@@ -494,8 +494,8 @@ class Trainer:
                 run.checkpoints.prune()
                 log.info("saved %s", path)
         else:
-            gathered = self.plan.config.parallel.strategy != "ddp" and world.size > 1
-            payload = run.checkpoint_payload() if gathered or world.is_main else None  # FSDP/TP: a collective
+            gathered = self.plan.shards_model  # FSDP/TP: gathering the full state is a collective
+            payload = run.checkpoint_payload() if gathered or world.is_main else None
             if world.is_main:  # DDP: every rank holds the same state; one writes it
                 if len(rng_by_rank) > 1:
                     payload["rng_by_rank"] = rng_by_rank

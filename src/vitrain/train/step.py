@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from vitrain.parallel.distributed import holds_dtensors
+
 LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -196,6 +198,7 @@ class TrainStep:
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = None
         self.full_dtype = None  # "full": the model itself holds low-precision weights, no master copy
+        self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
         self.autocast = True
         if precision_mode == "o2" and precision in LOW_PRECISION_DTYPES and hasattr(model, "unshard"):
             self.autocast = False  # FSDP2: its mixed-precision policy computes with low-precision weights
@@ -216,8 +219,7 @@ class TrainStep:
     def optimizer_context(self) -> contextlib.AbstractContextManager:
         """Sharded parameters are DTensors; plain tensors beside them (the norms and embeddings tensor
         parallelism leaves whole, the fused optimizers' found_inf flag) count as replicated."""
-        sharded = any(isinstance(param, DTensor) for param in self.model.parameters())
-        return implicit_replication() if sharded else contextlib.nullcontext()
+        return implicit_replication() if self.sharded else contextlib.nullcontext()
 
     def weights_changed(self) -> None:
         """Call after loading weights into the model (resume) so the compute copy follows."""
