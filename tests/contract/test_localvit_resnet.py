@@ -3,6 +3,7 @@ protocol, analytic FLOPs against a measured count, and ResNet parity with timm a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -18,6 +19,11 @@ from vitrain.models.localvit import LOCALVIT_SIZES, LocalViTMlp, build_localvit,
 from vitrain.models.resnet import RESNET_LAYOUTS, ResNet, ResNetArgs, resnet_flops
 from vitrain.models.vit import ViTArgs
 from vitrain.train.optim import build_param_groups
+
+
+def mlp_forward(mlp: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    return mlp(x, grid)
+
 
 MAX_ABS_DIFF = 1e-4
 FLOPS_TOLERANCE = 0.05
@@ -90,6 +96,42 @@ def test_localvit_mlp_depthwise_conv_mixes_3x3_neighbours_and_se_mixes_globally(
     # ... and without it, only the 3x3 neighbourhood of the moved patch does.
     mlp.se = nn.Identity()
     assert changed_patches() == set(itertools.product(range(0, 3), range(1, 4)))
+
+
+def _nchw_localvit_mlp(mlp: LocalViTMlp, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """The official LocalViT FFN as written (github.com/ofsoundof/LocalViT): an NCHW copy of the
+    patches through the Conv2d/BatchNorm2d modules themselves, then back to tokens."""
+    prefix, patches = x[:, : mlp.num_prefix_tokens], x[:, mlp.num_prefix_tokens :]
+    image = patches.transpose(1, 2).reshape(patches.shape[0], patches.shape[2], *grid)
+    image = mlp.act(mlp.expand_norm(mlp.expand(image)))
+    image = mlp.act(mlp.depthwise_norm(mlp.depthwise(image)))
+    patches = mlp.reduce_norm(mlp.reduce(mlp.se(image))).flatten(2).transpose(1, 2)
+    return torch.cat([torch.zeros_like(prefix), patches], dim=1)
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_localvit_mlp_token_layout_matches_the_nchw_formulation(prefix):
+    """Our FFN keeps tokens in (B, N, C) and runs the 1x1 convs as matmuls on channels_last views;
+    in training mode it must give the official NCHW FFN's output, input and parameter gradients,
+    and BatchNorm running statistics (float64, so any real difference shows)."""
+    torch.manual_seed(0)
+    ours = LocalViTMlp(8, 32, num_prefix_tokens=prefix, dtype=torch.float64).train()
+    reference = copy.deepcopy(ours)
+    grid = (3, 5)
+    x = torch.randn(4, prefix + 15, 8, dtype=torch.float64)
+    weights = torch.randn(4, prefix + 15, 8, dtype=torch.float64)
+    results = []
+    for mlp, forward in ((ours, mlp_forward), (reference, _nchw_localvit_mlp)):
+        inputs = x.clone().requires_grad_()
+        out = forward(mlp, inputs, grid)
+        (out * weights).sum().backward()
+        results.append((out, inputs.grad, {name: p.grad for name, p in mlp.named_parameters()}, mlp.state_dict()))
+    (out, grad, param_grads, state), (ref_out, ref_grad, ref_param_grads, ref_state) = results
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(param_grads, ref_param_grads, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state, ref_state, rtol=1e-10, atol=1e-12)  # BN running mean/var updated alike
+    assert state["expand_norm.num_batches_tracked"] == 1
 
 
 def test_localvit_mlp_rejects_a_grid_its_tokens_do_not_fill():

@@ -118,6 +118,31 @@ def test_locality_ffn_mixes_neighbours_only_and_cls_bypasses_conv():
     assert torch.allclose(out[:, :1], cls)
 
 
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_locality_ffn_token_layout_matches_an_nchw_copy(prefix):
+    """The depthwise conv runs on a channels_last view of the tokens (no copy); the seed's
+    Seq2Im/Im2Seq with an NCHW copy must give the same output and gradients (float64)."""
+    torch.manual_seed(0)
+    mlp = LocalityMlp(8, 16, num_prefix_tokens=prefix, dtype=torch.float64)
+    x = torch.randn(3, prefix + 12, 8, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, prefix + 12, 8, dtype=torch.float64)
+
+    def nchw(x: torch.Tensor) -> torch.Tensor:
+        hidden = mlp.fc1(x)
+        patches = hidden[:, prefix:].transpose(1, 2).reshape(3, 16, 3, 4)
+        patches = mlp.conv(patches.contiguous()).flatten(2).transpose(1, 2)
+        return mlp.fc2(mlp.act(torch.cat([hidden[:, :prefix], patches], dim=1)))
+
+    grads = []
+    for forward in (lambda x: mlp(x, (3, 4)), nchw):
+        mlp.zero_grad()
+        out = forward(x)
+        (input_grad,) = torch.autograd.grad((out * weights).sum(), x, retain_graph=True)
+        (out * weights).sum().backward()
+        grads.append((out, input_grad, [p.grad.clone() for p in mlp.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+
+
 def test_attention_implementations_agree():
     images, size = _small_input("vit_tiny_patch16")
     torch.manual_seed(0)

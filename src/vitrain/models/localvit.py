@@ -29,9 +29,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import Grid
+from vitrain.models.layers import Grid, image_as_tokens, tokens_as_image
 
 if TYPE_CHECKING:
     from vitrain.models.vit import VisionTransformer, ViTArgs
@@ -91,15 +92,16 @@ class LocalViTMlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (F.linear on the
+        # conv weights), and the depthwise conv and the BatchNorms see channels_last views of the
+        # same memory; no NCHW copy is made. Same numbers as the official NCHW code (tested).
         prefix, patches = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens :]
-        batch, tokens, dim = patches.shape
-        if tokens != grid[0] * grid[1]:
-            raise ValueError(f"{tokens} patch tokens do not fill a {grid[0]}x{grid[1]} grid")
-        image = patches.transpose(1, 2).reshape(batch, dim, *grid)
-        image = self.act(self.expand_norm(self.expand(image)))
+        hidden = F.linear(patches, self.expand.weight.flatten(1))
+        image = self.act(self.expand_norm(tokens_as_image(hidden, grid)))
         image = self.act(self.depthwise_norm(self.depthwise(image)))
-        image = self.reduce_norm(self.reduce(self.drop1(self.se(image))))
-        patches = self.drop2(image.flatten(2).transpose(1, 2))
+        hidden = image_as_tokens(self.drop1(self.se(image)))
+        patches = tokens_as_image(F.linear(hidden, self.reduce.weight.flatten(1)), grid)
+        patches = self.drop2(image_as_tokens(self.reduce_norm(patches)))
         return torch.cat([torch.zeros_like(prefix), patches], dim=1) if self.num_prefix_tokens else patches
 
 
