@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from vitrain.bench import window_ms
 from vitrain.models.layers import LocalityMlp, Mlp
 from vitrain.models.localvit import LocalViTMlp
 
@@ -24,20 +24,8 @@ from vitrain.models.localvit import LocalViTMlp
 def time_ms(
     module: torch.nn.Module, tokens: torch.Tensor, grid: tuple[int, int], repeats: int, iterations: int
 ) -> float:
-    """Median over ``repeats`` windows of ``iterations`` forward + backward calls, after 3 warm-up calls."""
-
-    def step() -> None:
-        module(tokens, grid).sum().backward()
-
-    for _ in range(3):
-        step()
-    windows = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            step()
-        windows.append((time.perf_counter() - start) / iterations * 1e3)
-    return statistics.median(windows)
+    """Median ms per forward + backward over ``repeats`` windows, after 3 warm-up calls."""
+    return statistics.median(window_ms(lambda: module(tokens, grid).sum().backward(), repeats, iterations, warmup=3))
 
 
 def main() -> None:

@@ -14,23 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from vitrain.bench import window_ms
 from vitrain.models import build_model
 from vitrain.train.skips import SkipCounter
 from vitrain.train.step import TrainStep, build_grad_scaler
-
-
-def median_ms(function, repeats: int, calls: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(calls):
-            function()
-        times.append((time.perf_counter() - started) / calls * 1000)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,8 +46,8 @@ def main() -> None:
             step.batchnorm.restore_where(skipped)
         counter.add(skipped)
 
-    step_ms = median_ms(lambda: step(images, labels), args.repeats, 3)
-    added_ms = median_ms(added_work, args.repeats, 200)
+    step_ms = statistics.median(window_ms(lambda: step(images, labels), args.repeats, 3))
+    added_ms = statistics.median(window_ms(added_work, args.repeats, 200))
     print(
         json.dumps(
             {

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain.bench import window_ms
 from vitrain.models import build_model
 from vitrain.models.layers import Attention, Block
 
@@ -62,18 +62,6 @@ def run_blocks(
         x = x + attend(index, block.norm1(x))
         x = x + block.mlp(block.norm2(x), (0, 0))  # the plain FFN ignores the grid
     return x
-
-
-def time_ms(step: Callable[[], None], repeats: int, iterations: int) -> list[float]:
-    for _ in range(2):
-        step()
-    windows = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            step()
-        windows.append((time.perf_counter() - start) / iterations * 1e3)
-    return windows
 
 
 def main() -> None:
@@ -118,11 +106,13 @@ def main() -> None:
     results: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):  # alternate, so a change in the host's speed hits every variant
         for name, (inputs, attend) in variants.items():
-            results[name] += time_ms(step(inputs, attend), args.repeats, args.iterations)
+            results[name] += window_ms(step(inputs, attend), args.repeats, args.iterations, warmup=2)
     baseline = statistics.median(results["batch-first (ours)"])
     for name, windows in results.items():
         median = statistics.median(windows)
-        print(f"{name:34s} {median:8.1f} ms  (min {min(windows):.1f}, max {max(windows):.1f})  x{baseline / median:.3f}")
+        print(
+            f"{name:34s} {median:8.1f} ms  (min {min(windows):.1f}, max {max(windows):.1f})  x{baseline / median:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,19 @@ Nothing here asserts a speed: timings only have to be positive and consistent wi
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from vitrain.bench import BenchSettings, bench_overrides, measure_training_step, time_training_steps, timm_reference
+from vitrain.bench import (
+    BenchSettings,
+    bench_overrides,
+    measure_training_step,
+    time_training_steps,
+    timm_reference,
+    window_ms,
+)
 from vitrain.cli import main, make_plan
 from vitrain.config import Config, ConfigError, build_config
 from vitrain.metrics.peak import CUDA_PEAKS, cuda_peak, measure_cpu_peak
@@ -288,3 +296,16 @@ def test_ladder_reports_a_rung_the_model_cannot_take_and_goes_on(tmp_path, capsy
     out = capsys.readouterr()
     assert "skipped: + activation checkpointing" in out.out
     assert ("plot:" in out.out) == path.with_suffix(".png").exists()
+
+
+def test_window_ms_times_each_window_per_call_after_the_warm_up():
+    calls = []
+
+    def sleep_5ms() -> None:
+        calls.append(None)
+        time.sleep(0.005)
+
+    windows = window_ms(sleep_5ms, repeats=3, calls=4, warmup=2)
+    assert len(calls) == 2 + 3 * 4 and len(windows) == 3
+    # milliseconds per call (at least the 5 ms slept), not per window of 4 calls (20 ms and more)
+    assert all(5 <= window < 20 for window in windows)

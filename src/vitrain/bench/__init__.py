@@ -7,6 +7,7 @@ from vitrain.bench.throughput import (
     format_table,
     measure_training_step,
     time_training_steps,
+    window_ms,
 )
 from vitrain.bench.timm_reference import TimmReference, compare_with_timm, timm_reference
 
@@ -23,4 +24,5 @@ __all__ = [
     "run_ladder",
     "time_training_steps",
     "timm_reference",
+    "window_ms",
 ]

@@ -144,6 +144,20 @@ def time_training_steps(
     return StepTimes(warmup_s, first_step_s, tuple(windows), loss.item())
 
 
+def window_ms(function: Callable[[], Any], repeats: int, calls: int, warmup: int = 0) -> list[float]:
+    """Milliseconds per call of ``function`` in each of ``repeats`` windows of ``calls`` calls,
+    after ``warmup`` untimed calls: the timing of the CPU micro-benchmarks under ``bench/``."""
+    for _ in range(warmup):
+        function()
+    windows = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            function()
+        windows.append((time.perf_counter() - started) / calls * 1e3)
+    return windows
+
+
 def throughput_record(
     plan: Plan, times: StepTimes, settings: BenchSettings, flops_per_image: int, memory: PeakMemory
 ) -> dict[str, Any]:
