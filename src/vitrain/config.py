@@ -823,14 +823,9 @@ def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...],
         )
 
 
-def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World = World()) -> Plan:
-    """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
-    patch = _resolve_patch_size(config)
-    steps_per_epoch = _check_batch_and_length(config, data.num_train)
-    device = _resolve_device(config.train.device, hardware.cuda_available)
-    if world.size > 1 and device == "cuda":
-        device = f"cuda:{world.local_rank}"  # one GPU per process
-    precision = _resolve_precision(config.precision, hardware)
+def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
+    """Cross-field checks that no single field's validator can make: normalization against the
+    data's channels, keys the source ignores, fp16 Adam epsilon, the init checkpoint's existence."""
     for key in ("mean", "std"):
         value = getattr(config.data, key)
         _require(
@@ -856,6 +851,17 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
         f"train.init_from={config.train.init_from}: no such checkpoint (or an incomplete one); give a "
         "runs/.../checkpoints/step-* file or sharded folder",
     )
+
+
+def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World = World()) -> Plan:
+    """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
+    patch = _resolve_patch_size(config)
+    steps_per_epoch = _check_batch_and_length(config, data.num_train)
+    device = _resolve_device(config.train.device, hardware.cuda_available)
+    if world.size > 1 and device == "cuda":
+        device = f"cuda:{world.local_rank}"  # one GPU per process
+    precision = _resolve_precision(config.precision, hardware)
+    _check_inputs(config, data, precision)
     world, checkpoint_format = _resolve_parallel(config, world, precision, hardware.cuda_available)
     batch = config.train.batch_size
     duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)

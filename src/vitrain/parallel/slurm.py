@@ -40,22 +40,15 @@ def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
     """The batch script; ``train_args`` are passed to ``vitrain train`` (quoted)."""
     if job.nodes < 1 or job.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
+    lines = [*_sbatch_header(job), *_environment(job), *_launch_with_requeue(_torchrun_command(job, train_args))]
+    return "\n".join(lines)
+
+
+def _sbatch_header(job: SlurmJob) -> list[str]:
+    """The shebang and the ``#SBATCH`` directives: one task per node, the signal before the limit, requeue."""
     optional = [f"#SBATCH --partition={job.partition}"] if job.partition else []
     optional += [f"#SBATCH --account={job.account}"] if job.account else []
-    torchrun = [
-        "torchrun",
-        "--nnodes=$SLURM_NNODES",
-        f"--nproc-per-node={job.gpus_per_node}",
-        "--rdzv-id=$SLURM_JOB_ID",
-        "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
-        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
-        f"--shutdown-timeout={job.shutdown_grace_s}",
-        *(["--numa-binding=node"] if job.numa_binding else []),
-        "-m vitrain train --resume auto",
-        *(shlex.quote(arg) for arg in train_args),
-    ]
-    lines = [
+    return [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.nodes}",
@@ -71,12 +64,41 @@ def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
         "set -euo pipefail",
         f"mkdir -p {shlex.quote(job.logs)}",
         "",
+    ]
+
+
+def _environment(job: SlurmJob) -> list[str]:
+    """The rendezvous address (the job's first node) and the CPU threads per worker."""
+    return [
         "# the rendezvous runs on the job's first node",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={job.port}",
         "export MASTER_ADDR MASTER_PORT",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-" + str(job.cpus_per_gpu) + "}",
         "",
+    ]
+
+
+def _torchrun_command(job: SlurmJob, train_args: list[str]) -> list[str]:
+    """torchrun's words: the c10d rendezvous, the forwarded signals and ``vitrain train --resume auto``."""
+    return [
+        "torchrun",
+        "--nnodes=$SLURM_NNODES",
+        f"--nproc-per-node={job.gpus_per_node}",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
+        f"--shutdown-timeout={job.shutdown_grace_s}",
+        *(["--numa-binding=node"] if job.numa_binding else []),
+        "-m vitrain train --resume auto",
+        *(shlex.quote(arg) for arg in train_args),
+    ]
+
+
+def _launch_with_requeue(torchrun: list[str]) -> list[str]:
+    """srun in the background so the shell's USR1 trap runs; the requeue only after the step has ended."""
+    return [
         "# time limit: the workers finish their step, checkpoint and exit (code 3); then the job is requeued",
         "preempted=0",
         "forward_usr1() {",
@@ -98,4 +120,3 @@ def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
         'exit "$status"',
         "",
     ]
-    return "\n".join(lines)
