@@ -102,8 +102,9 @@ class DataConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer."""
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    """Optimizer. muon: Muon (orthogonalized momentum) on the blocks' weight matrices and AdamW (betas,
+    eps) on the rest (embeddings, head, norms, biases, depthwise kernels), one lr and weight decay."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """fused: one kernel for all parameters; foreach: multi-tensor ops (pycls's "MTA"); for-loop: one
     parameter at a time; auto: fused where torch has it for the device (CPU and CUDA), else foreach."""
@@ -119,6 +120,10 @@ class OptimConfig(Section):
     """AdamW epsilon."""
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """SGD momentum (Nesterov off)."""
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon's Nesterov momentum (optim.name=muon)."""
+    ns_steps: int = Field(5, ge=1, le=20)
+    """Newton-Schulz iterations per Muon update (optim.name=muon)."""
     grad_clip: float | None = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value; null disables clipping."""
 
@@ -781,6 +786,11 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
         )
     if strategy != "ddp":
         _require(
+            config.optim.name != "muon" or world.size == 1,
+            f"optim.name=muon with parallel.strategy={strategy}: Muon orthogonalizes whole weight matrices and "
+            "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
+        )
+        _require(
             precision != "fp16",
             f"parallel.strategy={strategy} with precision=fp16: loss scaling of sharded gradients is not "
             "supported; use precision=bf16 (no loss scaling needed) or parallel.strategy=ddp",
@@ -838,7 +848,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
         "data.root is not used by data.name=synthetic; remove it",
     )
     _require(
-        not (precision == "fp16" and config.precision_mode == "full" and config.optim.name == "adamw")
+        not (precision == "fp16" and config.precision_mode == "full" and config.optim.name in ("adamw", "muon"))
         or config.optim.eps >= FP16_MIN_ADAM_EPS,
         f"optim.eps={config.optim.eps:g} with fp16 weights (precision_mode=full): Adam's second moment "
         f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "

@@ -296,6 +296,7 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
             "tp with precision_mode=o2",
         ),
         (["parallel.strategy=fsdp", "parallel.fsdp_cpu_offload=true"], 2, "fsdp_cpu_offload=true needs"),
+        (["parallel.strategy=fsdp", "optim.name=muon"], 2, "optim.name=muon with parallel.strategy=fsdp"),
     ],
 )
 def test_unsupported_parallel_combinations_are_refused(overrides, size, needle):

@@ -14,6 +14,7 @@ from vitrain.cli import main, make_plan
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 from vitrain.train import train
+from vitrain.train.optim import MuonAdamW
 from vitrain.train.step import TrainStep, build_grad_scaler
 
 NAN = float("nan")
@@ -43,10 +44,17 @@ def _assert_snapshots_equal(after: dict, before: dict) -> None:
             assert torch.equal(torch.as_tensor(after["optimizer"][index][name]), torch.as_tensor(value)), (index, name)
 
 
+def _muon_and_adamw(params: list[torch.nn.Parameter]) -> MuonAdamW:
+    matrices = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]
+    return MuonAdamW([{"params": matrices, "use_muon": True}, {"params": rest}], lr=1e-3)
+
+
 OPTIMIZERS = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),  # skipped on the device
     "adamw-for-loop": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),  # one host read per step
     "sgd-fused": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True),
+    "muon": lambda params: _muon_and_adamw(list(params)),  # Muon's momentum and AdamW's moments both stay
 }
 
 

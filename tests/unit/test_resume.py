@@ -23,6 +23,8 @@ SCENARIOS = {
     "epochs": (["model.drop_rate=0.1", "model.drop_path_rate=0.1"], [11, 12, 13]),
     # fp16 loss scaling: the scaler's scale and growth tracker are part of the state
     "fp16": (["precision=fp16", "train.epochs=2"], [9]),
+    # Muon's momentum buffers beside the AdamW moments of the other parameters, resumed mid-epoch
+    "muon": (["optim.name=muon", "train.epochs=2"], [9]),
     # explicit stages ending mid-epoch at steps 8 (14 -> 21 px) and 21 (21 -> 28 px, batch 8 -> 16)
     "curriculum": (
         [

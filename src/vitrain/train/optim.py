@@ -1,11 +1,23 @@
-"""Optimizer construction: parameter groups with weight-decay exclusion."""
+"""Optimizer construction: parameter groups with weight-decay exclusion, and Muon for the hidden
+matrices (``optim.name=muon``)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 from torch import nn
+from torch.optim.adamw import adamw as adamw_update
 
 from vitrain.config import Plan
+
+# Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024, github.com/KellerJordan/Muon): chosen
+# for the steepest slope at zero, so five steps bring every singular value into about [0.7, 1.2].
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Muon's update scaled to the RMS of a typical AdamW update (Liu et al. 2025, "Muon is Scalable for
+# LLM Training", §2.2): both kinds of parameter then share one learning rate and weight decay.
+ADAMW_MATCHED_RMS = 0.2
 
 
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -25,6 +37,134 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def is_hidden_matrix(parameter: torch.Tensor) -> bool:
+    """A weight that maps features to features: a linear or (grouped) conv weight with more than one
+    input channel per group. Depthwise kernels (one input channel) are per-channel filters, not
+    matrices, and stay with AdamW."""
+    return parameter.ndim == 2 or (parameter.ndim > 2 and parameter.shape[1] > 1)
+
+
+def build_muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Muon for the hidden matrices of the repeated blocks (``model.block_modules()``); AdamW for the
+    rest: the input embedding and the classifier (Muon's authors keep the first and last layer on
+    AdamW), norms, biases, position embeddings, tokens and depthwise kernels."""
+    in_blocks = {id(p) for block in model.block_modules() for p in block.parameters()}
+    muon = [
+        parameter
+        for parameter in model.parameters()
+        if parameter.requires_grad and id(parameter) in in_blocks and is_hidden_matrix(parameter)
+    ]
+    chosen = {id(p) for p in muon}
+    groups = [{"params": muon, "weight_decay": weight_decay, "use_muon": True}]
+    for group in build_param_groups(model, weight_decay):
+        group["params"] = [p for p in group["params"] if id(p) not in chosen]
+        groups.append(group)
+    return [group for group in groups if group["params"]]
+
+
+def orthogonalize(matrices: torch.Tensor, steps: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """About ``U V^T`` for each ``matrix = U S V^T`` of a ``(..., rows, cols)`` stack, by Muon's
+    Newton-Schulz iteration in ``dtype`` (singular values land near 1, not on it; Muon needs no more).
+    A stack runs as batched matmuls: the iteration is compute bound, and one batched call per shape
+    beats a call per matrix (7-19 % on a 2-core CPU, docs/benchmarks.md)."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    x = matrices.to(dtype).reshape(-1, *matrices.shape[-2:])
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # Frobenius >= spectral norm: it converges
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(matrices.shape)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (momentum orthogonalized by Newton-Schulz; Jordan et al. 2024) on the groups marked
+    ``use_muon``, AdamW on the others: one optimizer, so the LR schedule, gradient clipping, NaN
+    skipping and checkpoints see a single object and one learning rate.
+
+    A Muon step: Nesterov momentum ``buffer = momentum * buffer + (1 - momentum) * grad``, the update
+    ``grad + momentum * (buffer - grad)`` viewed as an ``(out, in * kernel)`` matrix and orthogonalized,
+    decoupled weight decay ``w *= 1 - lr * weight_decay``, then ``w -= lr * 0.2 * sqrt(max(out, in)) * O``
+    (torch.optim.Muon with ``adjust_lr_fn="match_rms_adamw"``, which only takes 2-D parameters)."""
+
+    def __init__(
+        self,
+        params: Iterable[dict],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        orthogonalize_dtype: torch.dtype = torch.float32,
+        fused: bool = False,
+        foreach: bool = False,
+    ):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "momentum": momentum, "use_muon": False}
+        super().__init__(params, defaults)
+        self.ns_steps, self.orthogonalize_dtype = ns_steps, orthogonalize_dtype
+        self.fused, self.foreach = fused, foreach
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        by_shape: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            state = self.state[parameter]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            buffer = state["momentum_buffer"]
+            buffer.lerp_(parameter.grad, 1 - momentum)
+            update = parameter.grad.lerp(buffer, momentum).reshape(len(parameter), -1)
+            by_shape.setdefault(tuple(update.shape), []).append((parameter, update))
+        for shape, pairs in by_shape.items():  # the blocks repeat their shapes: one batched iteration each
+            parameters, updates = zip(*pairs, strict=True)
+            orthogonal = orthogonalize(torch.stack(updates), self.ns_steps, self.orthogonalize_dtype)
+            step_size = lr * ADAMW_MATCHED_RMS * math.sqrt(max(shape))
+            for parameter, matrix in zip(parameters, orthogonal, strict=True):
+                parameter.mul_(1 - lr * group["weight_decay"])
+                parameter.add_(matrix.view_as(parameter).to(parameter.dtype), alpha=-step_size)
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            state = self.state[parameter]
+            if not state:  # the state torch.optim.AdamW keeps (fused kernels want the step on the device)
+                step_device = parameter.device if self.fused else "cpu"
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            params.append(parameter)
+            grads.append(parameter.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if params:
+            beta1, beta2 = group["betas"]
+            adamw_update(
+                params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                foreach=self.foreach, fused=self.fused, amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            )  # fmt: skip
+
+
 def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
     """torch.optim keyword arguments for an ``optim.implementation`` on ``device``."""
     if implementation == "auto":
@@ -39,8 +179,15 @@ def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
 
 def build_optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
     config = plan.config.optim
-    groups = build_param_groups(model, config.weight_decay)
     flags = implementation_flags(config.implementation, plan.device)
+    if config.name == "muon":
+        # Newton-Schulz in bf16 where the run computes in bf16 (the device has it natively), else fp32
+        dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+        groups = build_muon_param_groups(model, config.weight_decay)
+        return MuonAdamW(
+            groups, plan.lr, config.betas, config.eps, config.muon_momentum, config.ns_steps, dtype, **flags
+        )
+    groups = build_param_groups(model, config.weight_decay)
     if config.name == "adamw":
         return torch.optim.AdamW(groups, lr=plan.lr, betas=config.betas, eps=config.eps, **flags)
     return torch.optim.SGD(groups, lr=plan.lr, momentum=config.momentum, **flags)

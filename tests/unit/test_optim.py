@@ -1,0 +1,110 @@
+"""Optimizers: Muon's orthogonalization, its update against torch.optim.Muon, the AdamW part of
+``MuonAdamW`` against torch.optim.AdamW, and which parameters each one gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_config
+from vitrain.cli import make_plan
+from vitrain.models import build_model
+from vitrain.train.optim import MuonAdamW, build_muon_param_groups, build_optimizer, orthogonalize
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (64, 64)])
+def test_orthogonalize_keeps_the_singular_vectors_and_brings_the_values_near_one(shape):
+    torch.manual_seed(0)
+    rank = min(shape)
+    u = torch.linalg.qr(torch.randn(shape[0], rank, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(shape[1], rank, dtype=torch.float64)).Q
+    singular = torch.logspace(-1.5, 0, rank, dtype=torch.float64)  # a 30x spread, as gradients have
+    result = orthogonalize(u @ torch.diag(singular) @ v.T, steps=5, dtype=torch.float64)
+    assert result.shape == shape
+    # Muon's coefficients trade exactness for speed: the result is U f(S) V^T with f(s) near 1 (about
+    # 0.7-1.2), not on it; the singular vectors are the input's, so U^T R V is diagonal
+    in_basis = u.T @ result @ v
+    diagonal = torch.diagonal(in_basis)
+    assert (in_basis - torch.diag(diagonal)).abs().max() < 1e-9
+    assert diagonal.min() > 0.6 and diagonal.max() < 1.25
+
+
+def _step_both_on_the_same_gradients(optimizers: tuple, params: tuple[list, list], steps: int) -> None:
+    for seed in range(steps):
+        for optimizer, group in zip(optimizers, params, strict=True):
+            generator = torch.Generator().manual_seed(seed)
+            for parameter in group:
+                parameter.grad = torch.randn(parameter.shape, generator=generator)
+            optimizer.step()
+
+
+def test_muon_step_equals_torch_muon_matched_to_adamw_rms():
+    torch.manual_seed(0)
+    ours = [torch.randn(32, 96), torch.randn(96, 32)]
+    theirs = [p.clone() for p in ours]
+    lr, weight_decay = 0.02, 0.1
+    optimizer = MuonAdamW(
+        [{"params": ours, "weight_decay": weight_decay, "use_muon": True}], lr, orthogonalize_dtype=torch.bfloat16
+    )
+    reference = torch.optim.Muon(theirs, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    _step_both_on_the_same_gradients((optimizer, reference), (ours, theirs), steps=3)
+    for mine, torch_muon in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, torch_muon, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": True}, {}])
+def test_the_adamw_groups_step_exactly_as_torch_adamw(flags):
+    torch.manual_seed(0)
+    ours = [torch.randn(16, 8), torch.randn(8), torch.randn(3, 1, 3, 3)]
+    theirs = [p.clone() for p in ours]
+
+    def groups(params: list[torch.Tensor]) -> list[dict]:
+        return [{"params": params[::2], "weight_decay": 0.05}, {"params": params[1:2], "weight_decay": 0.0}]
+
+    optimizer = MuonAdamW(groups(ours), 3e-3, betas=(0.9, 0.95), eps=1e-6, **flags)
+    reference = torch.optim.AdamW(groups(theirs), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, **flags)
+    _step_both_on_the_same_gradients((optimizer, reference), (ours, theirs), steps=4)
+    for mine, adamw in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, adamw)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "muon_names"),
+    [
+        ("vit_tiny6_patch7", {"attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight"}),
+        (
+            "localvit_tiny6_patch7",
+            {"attn.qkv.weight", "attn.proj.weight", "mlp.expand.weight", "mlp.reduce.weight"}
+            | {"mlp.se.fc1.weight", "mlp.se.fc2.weight"},
+        ),
+    ],
+)
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(model_name, muon_names):
+    model = build_model(model_name, img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    groups = build_muon_param_groups(model, weight_decay=0.05)
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_kind = [
+        (group.get("use_muon", False), group["weight_decay"], {names[id(p)] for p in group["params"]})
+        for group in groups
+    ]
+    (muon, muon_decay, chosen), (_, decay, decayed), (_, no_decay, undecayed) = by_kind
+    assert (muon, muon_decay, decay, no_decay) == (True, 0.05, 0.05, 0.0)
+    assert {name.split(".", 2)[2] for name in chosen} == muon_names
+    assert all(name.startswith("blocks.") for name in chosen) and len(chosen) == 6 * len(muon_names)
+    assert {"patch_embed.proj.weight", "head.weight"} <= decayed  # first and last layer stay on AdamW
+    if model_name.startswith("localvit"):
+        assert "blocks.0.mlp.depthwise.weight" in decayed  # a depthwise kernel is not a matrix
+    assert {"pos_embed", "norm.weight", "head.bias", "blocks.0.attn.qkv.bias"} <= undecayed
+    assert len(chosen) + len(decayed) + len(undecayed) == len(names)  # each parameter exactly once
+
+
+def test_build_optimizer_gives_muon_its_settings_and_the_run_lr(small_synthetic_overrides):
+    plan = make_plan(
+        make_config(*small_synthetic_overrides, "optim.name=muon", "optim.muon_momentum=0.9", "optim.ns_steps=3")
+    )
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    optimizer = build_optimizer(model, plan)
+    assert isinstance(optimizer, MuonAdamW)
+    assert (optimizer.ns_steps, optimizer.orthogonalize_dtype) == (3, torch.float32)  # fp32 run
+    assert {group["lr"] for group in optimizer.param_groups} == {plan.lr}
+    assert optimizer.param_groups[0]["momentum"] == 0.9
