@@ -81,15 +81,19 @@ def two_process_run(tmp_path_factory):
     return out_dir, result
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
-    single = tmp_path_factory.mktemp("single") / "run"
+def _train_in_one_process(out_dir, *extra) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each torchrun worker (OMP_NUM_THREADS=1): the same kernels
     try:
-        assert main(["train", *_set_args(_overrides(single))]) == 0
+        assert main(["train", *_set_args(_overrides(out_dir, *extra))]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    single = tmp_path_factory.mktemp("single") / "run"
+    _train_in_one_process(single)
     return single
 
 
@@ -117,6 +121,18 @@ def test_ddp_with_gradient_accumulation_matches_one_process(one_process_run, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     final = "checkpoints/step-000000018.pt"
     _assert_close(_weights(out_dir / final), _weights(one_process_run / final))
+
+
+def test_ddp_with_muon_matches_one_process(tmp_path):
+    """Muon orthogonalizes the all-reduced gradient, so every rank takes the one-process step."""
+    muon = ("optim.name=muon", "optim.lr=0.05")
+    result = torchrun(["train", *_set_args(_overrides(tmp_path / "ddp", *muon))])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _train_in_one_process(tmp_path / "single", *muon)
+    final = "checkpoints/step-000000018.pt"
+    _assert_close(_weights(tmp_path / "ddp" / final), _weights(tmp_path / "single" / final))
+    trained = load_checkpoint(tmp_path / "ddp" / final)["optimizer"]["state"]
+    assert any("momentum_buffer" in state for state in trained.values())  # Muon's state, not AdamW's alone
 
 
 def test_a_checkpoint_from_two_processes_resumes_in_one(two_process_run, tmp_path):
