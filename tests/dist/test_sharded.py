@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from tests.dist.test_ddp import _assert_close, _overrides, _set_args, torchrun
+from tests.dist.test_ddp import _assert_close, _overrides, _set_args, _train_in_one_process, torchrun
 from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
 from vitrain.cli import main
 from vitrain.metrics import read_jsonl
@@ -36,12 +36,7 @@ def _losses(out_dir):
 def reference(tmp_path_factory):
     """One process, one thread (the kernels each torchrun worker runs)."""
     out_dir = tmp_path_factory.mktemp("single") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(["train", *_set_args(_overrides(out_dir, HEADS))]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    _train_in_one_process(out_dir, HEADS)
     return out_dir
 
 
