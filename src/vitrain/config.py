@@ -77,6 +77,12 @@ class DataConfig(Section):
     """RandomResizedCrop aspect-ratio range."""
     hflip: float = Field(0.5, ge=0.0, le=1.0)
     """Probability of a horizontal flip."""
+    translate: int = Field(0, ge=0)
+    """Random translation after the crop: shift by up to this many pixels along each axis, filling with
+    black (torchvision's RandomCrop(image_size, padding=translate)); 0 turns it off."""
+    random_erase: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability of random erasing (Zhong et al. 2017, timm's rule): one rectangle of 2-33 % of the
+    image, aspect ratio 0.3-3.3, replaced by uniform noise; 0 turns it off."""
     crop_pct: float = Field(0.875, gt=0.0, le=1.0)
     """Eval: resize the short side to image_size / crop_pct, then center-crop image_size."""
     mean: tuple[float, ...] | None = None
@@ -843,6 +849,11 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
             f"data.{key} has {len(value or ())} values but the data has {data.channels} channels; "
             f"give {data.channels} values or null for the source default",
         )
+    _require(
+        config.data.translate < config.data.image_size,
+        f"data.translate={config.data.translate} shifts a {config.data.image_size}-pixel image out of view; "
+        "give a few pixels (2-4 for 28-32 px images) or 0 to turn it off",
+    )
     _require(
         config.data.root is None or config.data.name != "synthetic",
         "data.root is not used by data.name=synthetic; remove it",

@@ -118,6 +118,7 @@ def test_bad_values_name_the_key(overrides, key, fix):
         (["train.batch_size=100000"], "train.batch_size"),
         (["model.name=vit_enormous"], "model.name"),
         (["data.mean=[0.1, 0.2]"], "data.mean"),
+        (["data.translate=28"], "data.translate=28"),
         (["train.budget=10 minutes"], "train.budget"),
         (["train.budget=0s"], "train.budget"),
         (["train={budget: 10m, steps: 5}"], "train.steps and train.budget"),

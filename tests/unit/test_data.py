@@ -16,7 +16,14 @@ from vitrain.config import ConfigError
 from vitrain.data import Normalize, build_loaders, describe_source
 from vitrain.data.loader import FileLoader, InMemoryLoader
 from vitrain.data.sources import build_synthetic, image_folder_samples, load_fashion_mnist, read_idx
-from vitrain.data.transforms import batch_eval_resize, batch_random_resized_crop
+from vitrain.data.transforms import (
+    RandomErase,
+    batch_eval_resize,
+    batch_random_erase,
+    batch_random_resized_crop,
+    batch_random_translate,
+    build_train_transform,
+)
 
 
 def _collect(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -148,6 +155,51 @@ def test_batch_crop_boxes_vary_per_image():
     assert (out.float().amax((1, 2, 3)) - out.float().amin((1, 2, 3))).max() < 255
 
 
+def _shift_of(original: torch.Tensor, shifted: torch.Tensor, max_shift: int) -> tuple[int, int] | None:
+    """The (dy, dx) for which ``shifted`` is ``original`` moved with zero fill, or None."""
+    padded = torch.nn.functional.pad(original, (max_shift,) * 4)
+    height, width = original.shape[-2:]
+    for top in range(2 * max_shift + 1):
+        for left in range(2 * max_shift + 1):
+            if torch.equal(padded[..., top : top + height, left : left + width], shifted):
+                return max_shift - top, max_shift - left
+    return None
+
+
+def test_batch_translate_shifts_each_image_within_bounds():
+    images = torch.randint(1, 256, (200, 2, 10, 12), dtype=torch.uint8)  # no zeros: the fill shows
+    out = batch_random_translate(images, 3, torch.Generator().manual_seed(0))
+    shifts = [_shift_of(image, moved, 3) for image, moved in zip(images, out, strict=True)]
+    assert None not in shifts
+    assert {dy for dy, _ in shifts} == {dx for _, dx in shifts} == set(range(-3, 4))  # every shift drawn
+    assert torch.equal(batch_random_translate(images, 0, torch.Generator()), images)
+
+
+def test_per_sample_translate_and_erase_follow_the_batch_rules():
+    config = make_config("data.scale=[1,1]", "data.ratio=[1,1]", "data.hflip=0", "data.translate=2").data
+    image = Image.fromarray(np.random.default_rng(0).integers(1, 256, (28, 28), dtype=np.uint8))
+    original = v2.PILToTensor()(image)
+    torch.manual_seed(0)
+    assert all(_shift_of(original, build_train_transform(config)(image), 2) is not None for _ in range(20))
+    erase = RandomErase(1.0)
+    assert not torch.equal(erase(original), original)
+
+
+def test_batch_random_erase_boxes():
+    images = torch.zeros(400, 3, 20, 20, dtype=torch.uint8)
+    assert torch.equal(batch_random_erase(images, 0.0, torch.Generator()), images)
+    out = batch_random_erase(images, 0.5, torch.Generator().manual_seed(0))
+    changed = out != 0  # noise is 0 with probability 1/256 per value, so a box shows in any channel
+    erased = changed.flatten(1).any(1)
+    assert 0.4 < erased.float().mean() < 0.6
+    for mask in changed.any(1)[erased]:
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+        assert rows.max() - rows.min() + 1 == len(rows) and cols.max() - cols.min() + 1 == len(cols)  # one box
+        assert 0.02 * 400 * 0.5 <= box <= 400 / 3 * 1.2  # timm's area range, with rounding
+        assert mask.sum() >= 0.9 * box  # filled, not sprinkled
+
+
 def test_batch_eval_resize_matches_torchvision():
     images = torch.randint(0, 256, (3, 3, 40, 30), dtype=torch.uint8)
     ours = batch_eval_resize(images, 24, 0.875)
@@ -206,7 +258,7 @@ def test_ranks_take_slices_of_the_same_global_batches(source, tiny_fmnist, tiny_
     else:
         overrides = ["data.name=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16"]
         overrides += ["train.batch_size=4", "train.eval_batch_size=4", "data.num_workers=0", "model.patch_size=4"]
-    config = make_config(*overrides)
+    config = make_config(*overrides, "data.translate=2", "data.random_erase=0.5")  # random draws are global too
 
     def batches(world, start=0):
         train, evaluation = build_loaders(make_plan(config, world))

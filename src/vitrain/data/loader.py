@@ -35,7 +35,9 @@ from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
 from vitrain.data.transforms import (
     batch_eval_resize,
+    batch_random_erase,
     batch_random_resized_crop,
+    batch_random_translate,
     build_eval_transform,
     build_train_transform,
     eval_resize_size,
@@ -98,6 +100,8 @@ class InMemoryLoader:
             images = batch_random_resized_crop(
                 images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
             )
+            images = batch_random_translate(images, self.config.translate, generator)
+            images = batch_random_erase(images, self.config.random_erase, generator)
             yield images[local], labels[local]
 
     def _eval_batches(self) -> Iterator[Batch]:

@@ -22,15 +22,17 @@ def eval_resize_size(image_size: int, crop_pct: float) -> int:
 
 
 def build_train_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(
-                image_size or config.image_size, scale=config.scale, ratio=config.ratio, antialias=True
-            ),
-            v2.RandomHorizontalFlip(config.hflip),
-            v2.PILToTensor(),
-        ]
-    )
+    size = image_size or config.image_size
+    steps = [
+        v2.RandomResizedCrop(size, scale=config.scale, ratio=config.ratio, antialias=True),
+        v2.RandomHorizontalFlip(config.hflip),
+    ]
+    if config.translate:
+        steps.append(v2.RandomCrop(size, padding=config.translate))
+    steps.append(v2.PILToTensor())
+    if config.random_erase:
+        steps.append(RandomErase(config.random_erase))
+    return v2.Compose(steps)
 
 
 def build_eval_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
@@ -88,6 +90,69 @@ def batch_random_resized_crop(
     grid = F.affine_grid(theta, [batch, images.shape[1], size, size], align_corners=False)
     out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def batch_random_translate(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Shift each image of a batch by its own integer (dx, dy), each in [-max_shift, max_shift], filling
+    with zeros: torchvision's RandomCrop(size, padding=max_shift) on every image."""
+    if max_shift == 0:
+        return images
+    batch, _, height, width = images.shape
+    device = images.device
+    padded = F.pad(images, (max_shift,) * 4)
+    top, left = torch.randint(0, 2 * max_shift + 1, (2, batch, 1), device=device, generator=generator)
+    rows = (top + torch.arange(height, device=device))[:, :, None]  # (B, H, 1)
+    cols = (left + torch.arange(width, device=device))[:, None, :]  # (B, 1, W)
+    picked = padded.permute(0, 2, 3, 1)[torch.arange(batch, device=device)[:, None, None], rows, cols]
+    return picked.permute(0, 3, 1, 2).contiguous()
+
+
+ERASE_AREA, ERASE_LOG_RATIO = (0.02, 1 / 3), (math.log(0.3), math.log(1 / 0.3))
+
+
+def _erase_boxes(batch: int, height: int, width: int, generator: torch.Generator, device):
+    """timm's RandomErasing box rule: area fraction in ERASE_AREA, log-uniform aspect, up to 10
+    tries for a box that fits; (top, left, h, w) with h = 0 where none fit."""
+    tries = 10
+    area = height * width * torch.empty(batch, tries, device=device).uniform_(*ERASE_AREA, generator=generator)
+    aspect = torch.empty(batch, tries, device=device).uniform_(*ERASE_LOG_RATIO, generator=generator).exp()
+    box_h, box_w = (area * aspect).sqrt().round().long(), (area / aspect).sqrt().round().long()
+    fits = (box_h < height) & (box_w < width) & (box_h > 0) & (box_w > 0)
+    first = fits.float().argmax(1)
+    rows = torch.arange(batch, device=device)
+    box_h, box_w = torch.where(fits.any(1), box_h[rows, first], 0), box_w[rows, first]
+    top = (torch.rand(batch, device=device, generator=generator) * (height - box_h + 1)).long()
+    left = (torch.rand(batch, device=device, generator=generator) * (width - box_w + 1)).long()
+    return top, left, box_h, box_w
+
+
+def batch_random_erase(images: torch.Tensor, probability: float, generator: torch.Generator) -> torch.Tensor:
+    """Random erasing for a uint8 batch: with ``probability`` each image gets one box (timm's rule)
+    filled with uniform noise, the same box across channels, noise per pixel and channel."""
+    if probability == 0:
+        return images
+    batch, channels, height, width = images.shape
+    device = images.device
+    top, left, box_h, box_w = _erase_boxes(batch, height, width, generator, device)
+    chosen = torch.rand(batch, device=device, generator=generator) < probability
+    y = torch.arange(height, device=device)[None, :, None]
+    x = torch.arange(width, device=device)[None, None, :]
+    in_rows = (y >= top[:, None, None]) & (y < (top + box_h)[:, None, None])
+    in_cols = (x >= left[:, None, None]) & (x < (left + box_w)[:, None, None])
+    inside = in_rows & in_cols & chosen[:, None, None]
+    noise = torch.randint(0, 256, images.shape, dtype=torch.uint8, device=device, generator=generator)
+    return torch.where(inside[:, None], noise, images)
+
+
+class RandomErase:
+    """Per-sample random erasing on a uint8 CHW tensor (draws from torch's global RNG, which the
+    file loader seeds per sample): the batch rule applied to a batch of one."""
+
+    def __init__(self, probability: float):
+        self.probability = probability
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return batch_random_erase(image[None], self.probability, torch.default_generator)[0]
 
 
 def batch_eval_resize(images: torch.Tensor, size: int, crop_pct: float) -> torch.Tensor:
