@@ -27,11 +27,14 @@ from vitrain.recipes import get_recipe
 from vitrain.report import pyplot
 from vitrain.train import train
 
+# The paper's models use the patchify stem at 28 px, patch 7 (the default recipe's is a conv stem at 32 px).
+PATCH7 = ["data.image_size=28"]
 VARIANTS = {
-    "deit_style_vit": ["model.name=vit_tiny6_patch7"],
-    "localvit": ["model.name=localvit_tiny6_patch7"],
-    "locality_vit": ["model.name=locality_vit_tiny6_patch7"],
+    "deit_style_vit": [*PATCH7, "model.name=vit_tiny6_patch7"],
+    "localvit": [*PATCH7, "model.name=localvit_tiny6_patch7"],
+    "locality_vit": [*PATCH7, "model.name=locality_vit_tiny6_patch7"],
     "locality_vit_curriculum": [
+        *PATCH7,
         "model.name=locality_vit_tiny6_patch7",
         "curriculum.stages=[{until: 0.2, image_size: 14}, {until: 0.4, image_size: 21}]",
     ],

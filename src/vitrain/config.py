@@ -34,6 +34,9 @@ class ModelConfig(Section):
     """Patch size override; the variant's own when unset."""
     head: Literal["cls", "gap"] | None = None
     """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
+    stem: Literal["patch", "conv"] | None = None
+    """ViTs: patch (one strided convolution) or conv (Xiao et al. 2021: 3x3 stride-2 convolutions with
+    BatchNorm and ReLU, then 1x1; power-of-two patch sizes); the variant's (patch) when unset."""
     mlp_ratio: float | None = Field(None, gt=0.0)
     """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
     num_heads: int | None = Field(None, ge=1)
@@ -554,6 +557,7 @@ def _check_batch_and_length(config: Config, num_train: int) -> int:
 MODEL_OPTIONS = (
     "patch_size",
     "head",
+    "stem",
     "mlp_ratio",
     "num_heads",
     "attn_impl",
@@ -593,6 +597,11 @@ def _resolve_patch_size(config: Config) -> int:
             f"{', '.join(sorted(fields & set(MODEL_OPTIONS))) or 'none of the model.* options'})",
         )
     patch = config.model.patch_size or getattr(spec.args, "total_stride", getattr(spec.args, "patch_size", 1))
+    _require(
+        config.model.stem != "conv" or (patch >= 2 and patch & (patch - 1) == 0),
+        f"model.stem=conv needs a power-of-two patch size (one stride-2 convolution per halving), got {patch}; "
+        "set model.patch_size to 8 or 16 with data.image_size a multiple of it (e.g. 32 for Fashion-MNIST)",
+    )
     _require(
         config.data.image_size % patch == 0,
         f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "

@@ -186,6 +186,32 @@ def test_other_resolution_resamples_position_embeddings():
         model(torch.randn(1, 3, 40, 40))
 
 
+@pytest.mark.parametrize(("patch", "img_size"), [(8, 32), (8, 16), (16, 224), (16, 48)])
+def test_conv_stem_gives_the_patch_stems_grid_and_trains(patch, img_size):
+    """Xiao et al.'s stem: log2(patch) stride-2 3x3 convs of widths D/2^k..D/2, then 1x1 to D; the
+    token grid is the patchify stem's, at the model's size and at curriculum sizes."""
+    args = {"depth": 1, "embed_dim": 48, "num_heads": 3, "patch_size": patch, "img_size": img_size}
+    conv = build_model("vit_tiny_patch16", stem="conv", **args)
+    patchify = build_model("vit_tiny_patch16", **args)
+    widths = [layer.out_channels for layer in conv.patch_embed.convs if isinstance(layer, torch.nn.Conv2d)]
+    assert widths == [48 >> level for level in range(patch.bit_length() - 1, 0, -1)]
+    assert all(layer.stride == (2, 2) for layer in conv.patch_embed.convs if isinstance(layer, torch.nn.Conv2d))
+    images = torch.randn(2, 3, img_size, img_size)
+    tokens, grid = conv.patch_embed(images)
+    assert (tokens.shape, grid) == (patchify.patch_embed(images)[0].shape, patchify.patch_embed(images)[1])
+    conv(images).sum().backward()
+    assert all(param.grad is not None and param.grad.abs().sum() > 0 for param in conv.patch_embed.parameters())
+    if (img_size // 2) % patch == 0:  # a smaller curriculum stage: resampled position embeddings
+        assert conv(torch.randn(2, 3, img_size // 2, img_size // 2)).shape == (2, 1000)
+
+
+def test_conv_stem_refuses_patch_sizes_it_cannot_build():
+    with pytest.raises(ValueError, match="power-of-two patch size, got 7"):
+        build_model("vit_tiny_patch16", stem="conv", patch_size=7, img_size=28)
+    with pytest.raises(ValueError, match="only the patchify stem"):
+        to_timm(build_model("vit_tiny_patch16", stem="conv", depth=1))
+
+
 def test_position_embedding_resampling_is_identity_at_the_same_grid_and_smooth_across_grids():
     """The curriculum resamples every stage from the same table: same grid = same tensor, and a smooth
     table (a plane over the grid) stays that plane at other grid sizes, up to the border."""

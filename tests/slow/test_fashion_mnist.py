@@ -41,13 +41,13 @@ def test_default_recipe_one_epoch_reaches_stated_accuracy(tmp_path):
     not HAVE_DATA, reason=f"Fashion-MNIST not installed at {FASHION_MNIST_ROOT} (apt-get install dataset-fashion-mnist)"
 )
 def test_curriculum_run_changes_size_and_learns(tmp_path):
-    """A 21 px stage (9 tokens, batch 455 for constant tokens) for the first half, then 28 px: both
-    stages run and the 1-epoch result (evaluated at 28 px) still reaches 80 % test top-1."""
+    """A 24 px stage (9 tokens, batch 455 for constant tokens) for the first half, then 32 px: both
+    stages run and the 1-epoch result (evaluated at 32 px) still reaches 80 % test top-1."""
     config = make_config(
         "train.epochs=1",
         "train.progress=off",
         f"train.out_dir={tmp_path}",
-        "curriculum.stages=[{until: 0.5, image_size: 21}]",
+        "curriculum.stages=[{until: 0.5, image_size: 24}]",
         "curriculum.batch_rule=constant_tokens",
         base=get_recipe("fmnist"),
     )
@@ -55,5 +55,5 @@ def test_curriculum_run_changes_size_and_learns(tmp_path):
     summary = train(plan)
     records = read_jsonl(plan.out_dir / "metrics.jsonl")
     stages = [(record["image_size"], record["batch_size"]) for record in records if record["event"] == "stage"]
-    assert stages == [(21, 455), (28, 256)]
+    assert stages == [(24, 455), (32, 256)]
     assert summary["final_top1"] >= 80.0

@@ -158,7 +158,13 @@ def _register_vit_family() -> None:
         "locality_vit_tiny6_patch7",
         VisionTransformer,
         ViTArgs(**small_image, ffn="locality"),
-        "6-block locality ViT-Ti, patch 7, for 28 px images (default recipe)",
+        "6-block locality ViT-Ti, patch 7, for 28 px images",
+    )
+    register_model(
+        "vit_tiny6_convstem_patch8",
+        VisionTransformer,
+        ViTArgs(**{**small_image, "patch_size": 8, "img_size": 32}, stem="conv"),
+        "6-block ViT-Ti with Xiao et al.'s convolutional stem (3 stride-2 convs), for 32 px images",
     )
 
 
@@ -174,7 +180,13 @@ def _register_localvit_family() -> None:
         "localvit_tiny6_patch7",
         build_localvit,
         ViTArgs(embed_dim=192, depth=6, num_heads=3, patch_size=7, img_size=28, ffn="localvit"),
-        "6-block LocalViT at the default recipe's size, for the Borealis comparison on Fashion-MNIST",
+        "6-block LocalViT, patch 7, for the Borealis comparison on Fashion-MNIST (28 px)",
+    )
+    register_model(
+        "localvit_tiny6_convstem_patch8",
+        build_localvit,
+        ViTArgs(embed_dim=192, depth=6, num_heads=3, patch_size=8, img_size=32, ffn="localvit", stem="conv"),
+        "6-block LocalViT with Xiao et al.'s convolutional stem, for 32 px images (default recipe)",
     )
 
 

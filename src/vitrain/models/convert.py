@@ -94,4 +94,6 @@ def to_timm(model: nn.Module) -> dict[str, torch.Tensor]:
     """A state dict that ``timm.create_model(timm_name(variant), ...)`` loads with ``strict=True``
     (pass the model's num_classes and img_size, and ``global_pool="avg", class_token=False``
     for a ``gap`` head)."""
+    if getattr(getattr(model, "args", None), "stem", "patch") != "patch":
+        raise ValueError("timm's VisionTransformer has only the patchify stem; this model has model.stem=conv")
     return {key: value.detach().clone() for key, value in model.state_dict().items()}

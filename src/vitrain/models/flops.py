@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from vitrain.models.layers import conv_stem_flops
 from vitrain.models.localvit import localvit_mlp_flops
 from vitrain.models.resnet import ResNet, resnet_flops
 from vitrain.models.vit import VisionTransformer, ViTArgs
@@ -21,6 +22,8 @@ def vit_flops(args: ViTArgs, img_size: int) -> int:
     tokens = patches + (1 if args.head == "cls" else 0)
     dim, hidden = args.embed_dim, args.mlp_dim or int(args.embed_dim * args.mlp_ratio)
     patch_embed = 2 * patches * args.in_chans * args.patch_size**2 * dim
+    if args.stem == "conv":
+        patch_embed = conv_stem_flops(args.patch_size, args.in_chans, dim, img_size)
     attention = 2 * tokens * dim * 3 * dim + 2 * 2 * tokens * tokens * dim + 2 * tokens * dim * dim
     ffn = 2 * 2 * tokens * dim * hidden
     if args.ffn == "locality":

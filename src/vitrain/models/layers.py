@@ -71,6 +71,54 @@ class PatchEmbed(nn.Module):
         return x.flatten(2).transpose(1, 2), grid
 
 
+class ConvStem(nn.Module):
+    """The convolutional stem of Xiao et al. 2021 ("Early Convolutions Help Transformers See
+    Better", ViT_C) in place of the patchify convolution: k = log2(patch) 3x3 stride-2 convolutions,
+    each with BatchNorm and ReLU, of widths embed_dim/2^k ... embed_dim/2, then a 1x1 convolution
+    to embed_dim. Same token grid as ``PatchEmbed`` (patch must be a power of two)."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, device=None, dtype=None):
+        super().__init__()
+        depth = patch_size.bit_length() - 1
+        if patch_size < 2 or patch_size != 1 << depth:
+            raise ValueError(
+                f"the convolutional stem needs a power-of-two patch size, got {patch_size}; use patch 8 or 16 "
+                "(e.g. 32 px images with patch 8) or the patchify stem"
+            )
+        factory = {"device": device, "dtype": dtype}
+        self.patch_size = patch_size
+        layers: list[nn.Module] = []
+        channels = in_chans
+        for level in range(depth, 0, -1):
+            width = max(1, embed_dim >> level)
+            layers += [
+                nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False, **factory),
+                nn.BatchNorm2d(width, **factory),
+                nn.ReLU(inplace=True),
+            ]
+            channels = width
+        self.convs = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(channels, embed_dim, 1, **factory)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+        height, width = images.shape[-2:]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(f"input {height}x{width} is not divisible by the patch size {self.patch_size}")
+        x = self.proj(self.convs(images))
+        return x.flatten(2).transpose(1, 2), (x.shape[-2], x.shape[-1])
+
+
+def conv_stem_flops(patch_size: int, in_chans: int, embed_dim: int, img_size: int) -> int:
+    """Forward FLOPs per image of ``ConvStem`` (convolutions only, multiply-add = 2)."""
+    depth = patch_size.bit_length() - 1
+    flops, channels, side = 0, in_chans, img_size
+    for level in range(depth, 0, -1):
+        side, width = -(-side // 2), max(1, embed_dim >> level)
+        flops += 2 * side * side * channels * width * 9
+        channels = width
+    return flops + 2 * side * side * channels * embed_dim
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection."""
 

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vitrain.models.layers import Block, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+from vitrain.models.layers import Block, ConvStem, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
 from vitrain.models.localvit import LocalViTMlp
 
 
@@ -38,6 +38,8 @@ class ViTArgs:
     num_classes: int = 1000
     head: Literal["cls", "gap"] = "cls"
     ffn: Literal["mlp", "locality", "localvit"] = "mlp"
+    stem: Literal["patch", "conv"] = "patch"
+    """patch: one strided convolution (ViT); conv: Xiao et al.'s stack of 3x3 stride-2 convolutions."""
     attn_impl: Literal["sdpa", "matmul"] = "sdpa"
     attn_softmax_fp32: bool = False
     """Matmul attention: scores and softmax in fp32 under fp16/bf16 (DeiT's NaN fix)."""
@@ -57,7 +59,8 @@ class VisionTransformer(nn.Module):
         grid_side = args.img_size // args.patch_size
         self.grid = (grid_side, grid_side)
         dim = args.embed_dim
-        self.patch_embed = PatchEmbed(args.patch_size, args.in_chans, dim, **factory)
+        stem = {"patch": PatchEmbed, "conv": ConvStem}[args.stem]
+        self.patch_embed = stem(args.patch_size, args.in_chans, dim, **factory)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.head == "cls" else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + grid_side**2, dim, **factory))
         self.pos_drop = nn.Dropout(args.drop_rate)
