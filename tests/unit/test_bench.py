@@ -115,6 +115,12 @@ def test_timm_reference_maps_locality_and_small_vits_to_plain_timm_vits():
     assert theirs_shapes == {key: tuple(value.shape) for key, value in plain.state_dict().items()}
     assert reference.flops_per_image == model_flops(plain, 28)
 
+    plan, _ = _plan("vit_tiny6_convstem_patch8", 32, 2, "model.head=gap")
+    reference = timm_reference(plan)
+    assert "timm's patchify stem" in reference.description
+    patchify = build_model("vit_tiny6_convstem_patch8", device="meta", stem="patch", head="gap", num_classes=10)
+    assert reference.flops_per_image == model_flops(patchify, 32)
+
     plan, _ = _plan("vit_tiny_patch16", 32, 2, "model.mlp_ratio=2", "model.head=gap")
     reference = timm_reference(plan)
     assert reference.description == "vit_tiny_patch16_224 (with mlp_ratio=2.0)"

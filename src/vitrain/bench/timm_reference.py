@@ -96,7 +96,7 @@ def _vit_dimensions(args: ViTArgs) -> dict[str, Any]:
 
 def timm_reference(plan: Plan) -> TimmReference:
     """The timm counterpart of the plan's model: its timm name; for a locality ViT the plain ViT of
-    the same size; for other ViTs timm's VisionTransformer with the same dimensions. Raises
+    the same size, for a conv-stem ViT the patchify one; for other ViTs timm's VisionTransformer with the same dimensions. Raises
     ConfigError for families timm lacks (LocalViT's BN + SE FFN)."""
     name = plan.config.model.name
     model = _planned_model(plan)
@@ -119,9 +119,10 @@ def timm_reference(plan: Plan) -> TimmReference:
             f"--compare-timm: {name} has no timm equivalent; it covers vit_*, deit_*, locality_vit_* "
             "(against the plain ViT), volo_* and resnet50 models"
         )
-    if isinstance(args, ViTArgs) and args.ffn == "locality":
-        notes.append("no locality FFN in timm")
-        flops = vit_flops(dataclasses.replace(args, ffn="mlp"), plan.config.data.image_size)
+    if isinstance(args, ViTArgs):  # timm builds the plain FFN and the patchify stem
+        notes += ["no locality FFN in timm"] if args.ffn == "locality" else []
+        notes += ["timm's patchify stem in place of the conv stem"] if args.stem == "conv" else []
+        flops = vit_flops(dataclasses.replace(args, ffn="mlp", stem="patch"), plan.config.data.image_size)
     else:
         flops = model_flops(model, plan.config.data.image_size)
     description = architecture + (f" ({'; '.join(notes)})" if notes else "")
