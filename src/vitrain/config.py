@@ -597,11 +597,13 @@ def _resolve_patch_size(config: Config) -> int:
             f"{', '.join(sorted(fields & set(MODEL_OPTIONS))) or 'none of the model.* options'})",
         )
     patch = config.model.patch_size or getattr(spec.args, "total_stride", getattr(spec.args, "patch_size", 1))
-    _require(
-        config.model.stem != "conv" or (patch >= 2 and patch & (patch - 1) == 0),
-        f"model.stem=conv needs a power-of-two patch size (one stride-2 convolution per halving), got {patch}; "
-        "set model.patch_size to 8 or 16 with data.image_size a multiple of it (e.g. 32 for Fashion-MNIST)",
-    )
+    if (config.model.stem or getattr(spec.args, "stem", None)) == "conv":  # set here or by the variant
+        from vitrain.models.layers import conv_stem_depth
+
+        try:
+            conv_stem_depth(patch)
+        except ValueError as error:
+            raise ConfigError(f"model.stem=conv: {error} (model.patch_size, data.image_size)") from None
     _require(
         config.data.image_size % patch == 0,
         f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "

@@ -206,7 +206,7 @@ def test_conv_stem_gives_the_patch_stems_grid_and_trains(patch, img_size):
 
 
 def test_conv_stem_refuses_patch_sizes_it_cannot_build():
-    with pytest.raises(ValueError, match="power-of-two patch size, got 7"):
+    with pytest.raises(ValueError, match="power-of-two patch size .*got 7"):
         build_model("vit_tiny_patch16", stem="conv", patch_size=7, img_size=28)
     with pytest.raises(ValueError, match="only the patchify stem"):
         to_timm(build_model("vit_tiny_patch16", stem="conv", depth=1))

@@ -119,7 +119,11 @@ def test_bad_values_name_the_key(overrides, key, fix):
         (["model.name=vit_enormous"], "model.name"),
         (["data.mean=[0.1, 0.2]"], "data.mean"),
         (["data.translate=28"], "data.translate=28"),
-        (["model.stem=conv"], "model.stem=conv needs a power-of-two patch size"),  # the variant's patch 7
+        (
+            ["model.stem=conv"],
+            "model.stem=conv: the convolutional stem needs a power-of-two patch size",
+        ),  # the variant's patch 7
+        (["model.name=vit_tiny6_convstem_patch8", "model.patch_size=7"], "model.stem=conv"),  # the variant's stem
         (["model.name=resnet50", "data.image_size=32", "model.stem=conv"], "model.stem=conv"),
         (["train.budget=10 minutes"], "train.budget"),
         (["train.budget=0s"], "train.budget"),

@@ -71,6 +71,17 @@ class PatchEmbed(nn.Module):
         return x.flatten(2).transpose(1, 2), grid
 
 
+def conv_stem_depth(patch_size: int) -> int:
+    """How many stride-2 convolutions make a stride of ``patch_size``; ValueError unless a power of two."""
+    depth = patch_size.bit_length() - 1
+    if patch_size < 2 or patch_size != 1 << depth:
+        raise ValueError(
+            f"the convolutional stem needs a power-of-two patch size (one stride-2 convolution per halving), "
+            f"got {patch_size}; use patch 8 or 16 (e.g. 32 px images with patch 8) or the patchify stem"
+        )
+    return depth
+
+
 class ConvStem(nn.Module):
     """The convolutional stem of Xiao et al. 2021 ("Early Convolutions Help Transformers See
     Better", ViT_C) in place of the patchify convolution: k = log2(patch) 3x3 stride-2 convolutions,
@@ -79,12 +90,7 @@ class ConvStem(nn.Module):
 
     def __init__(self, patch_size: int, in_chans: int, embed_dim: int, device=None, dtype=None):
         super().__init__()
-        depth = patch_size.bit_length() - 1
-        if patch_size < 2 or patch_size != 1 << depth:
-            raise ValueError(
-                f"the convolutional stem needs a power-of-two patch size, got {patch_size}; use patch 8 or 16 "
-                "(e.g. 32 px images with patch 8) or the patchify stem"
-            )
+        depth = conv_stem_depth(patch_size)
         factory = {"device": device, "dtype": dtype}
         self.patch_size = patch_size
         layers: list[nn.Module] = []
@@ -110,7 +116,7 @@ class ConvStem(nn.Module):
 
 def conv_stem_flops(patch_size: int, in_chans: int, embed_dim: int, img_size: int) -> int:
     """Forward FLOPs per image of ``ConvStem`` (convolutions only, multiply-add = 2)."""
-    depth = patch_size.bit_length() - 1
+    depth = conv_stem_depth(patch_size)
     flops, channels, side = 0, in_chans, img_size
     for level in range(depth, 0, -1):
         side, width = -(-side // 2), max(1, embed_dim >> level)
