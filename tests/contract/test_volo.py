@@ -62,7 +62,7 @@ def _timm_volo(args: VOLOArgs) -> nn.Module:
     )
 
 
-def _pair(name: str | None, img_size: int, num_classes: int = 1000) -> tuple[nn.Module, VOLO]:
+def _pair(name: str | None, img_size: int, num_classes: int = 1000, attn_impl: str = "sdpa") -> tuple[nn.Module, VOLO]:
     """A timm VOLO with random weights and ours holding them (strict load), both in eval mode."""
     _timm()
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def _pair(name: str | None, img_size: int, num_classes: int = 1000) -> tuple[nn.
         args = dataclasses.replace(VOLO_VARIANTS[name], img_size=img_size, num_classes=num_classes)
         reference = _timm().create_model(f"{name}_224", pretrained=False, img_size=img_size, num_classes=num_classes)
     _perturb_norms(reference)
-    model = VOLO(args)
+    model = VOLO(dataclasses.replace(args, attn_impl=attn_impl))
     model.load_state_dict(reference.state_dict(), strict=True)
     return reference.eval(), model.eval()
 
@@ -112,10 +112,24 @@ def test_d1_equals_timm_at_224():
     assert max(differences.values()) <= MAX_ABS_DIFF, differences
 
 
-def test_small_config_equals_timm():
-    reference, model = _pair(None, 64)
+@pytest.mark.parametrize("attn_impl", ["sdpa", "matmul"])
+def test_small_config_equals_timm(attn_impl):
+    reference, model = _pair(None, 64, attn_impl=attn_impl)
+    assert {block.attn.impl for block in model.network[-1]} == {attn_impl}  # the transformer stage's
     differences = _differences(reference, model, _images(64, batch=3))
     assert max(differences.values()) <= MAX_ABS_DIFF, differences
+
+
+def test_attention_implementations_give_the_same_gradients():
+    torch.manual_seed(0)
+    sdpa = VOLO(SMALL)
+    matmul = VOLO(dataclasses.replace(SMALL, attn_impl="matmul"))
+    matmul.load_state_dict(sdpa.state_dict())
+    images = _images(64, batch=3)
+    for model in (sdpa, matmul):
+        model(images).square().mean().backward()
+    for (name, ours), theirs in zip(sdpa.named_parameters(), matmul.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ def test_shapes_come_from_a_meta_forward():
     assert {shape: len(modules) for shape, modules in shapes.items()} == {(17, 192, 3): 6}  # 16 patches + CLS
     shapes = attention_probe.attention_shapes(_meta_model("gap"), torch.empty(1, 1, 56, 56, device="meta"))
     assert list(shapes) == [(64, 192, 3)]  # another resolution: the resampled grid
+    volo = build_model("volo_d1", device="meta")  # VOLO's transformer stages see a (B, H, W, C) grid
+    shapes = attention_probe.attention_shapes(volo, torch.empty(1, 3, 224, 224, device="meta"))
+    assert {shape: len(modules) for shape, modules in shapes.items()} == {(196, 384, 12): 4 + 8 + 2}
 
 
 def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch):

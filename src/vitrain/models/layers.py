@@ -136,6 +136,7 @@ class Attention(nn.Module):
         proj_drop: float = 0.0,
         impl: Literal["sdpa", "matmul"] = "sdpa",
         softmax_fp32: bool = False,
+        qkv_bias: bool = True,
         device=None,
         dtype=None,
     ):
@@ -146,7 +147,7 @@ class Attention(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
         self.impl, self.softmax_fp32 = impl, softmax_fp32
-        self.qkv = nn.Linear(dim, dim * 3, device=device, dtype=dtype)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
         self.proj_drop = nn.Dropout(proj_drop)

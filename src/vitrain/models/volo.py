@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import DropPath, Grid, Mlp, resample_pos_embed
+from vitrain.models.layers import Attention, DropPath, Grid, Mlp, resample_pos_embed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,10 @@ class VOLOArgs:
     use_aux_head: bool = True
     """Token-labeling head: logits for every patch token."""
     qkv_bias: bool = False
+    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    """The transformer stages' attention: SDPA or explicit matmuls (``model.attn_impl``, or ``auto`` by measurement)."""
+    attn_softmax_fp32: bool = False
+    """Explicit-matmul attention scores and softmax in fp32 (DeiT's fp16 NaN fix)."""
     img_size: int = 224
     in_chans: int = 3
     num_classes: int = 1000
@@ -204,24 +208,13 @@ class OutlookAttention(nn.Module):
         return self.proj(out.permute(0, 2, 3, 1))
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention over a channels-last grid, flattened to tokens."""
-
-    def __init__(
-        self, dim: int, num_heads: int, qkv_bias: bool = False, attn_drop: float = 0.0, device=None, dtype=None
-    ):
-        super().__init__()
-        self.num_heads = num_heads
-        self.attn_drop = attn_drop
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
-        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+class SelfAttention(Attention):
+    """Multi-head self-attention over a channels-last grid, flattened to tokens (the shared layer, so
+    ``attn_impl`` and the attention probe apply to VOLO's transformer stages too)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, height, width, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, height * width, 3, self.num_heads, dim // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj(x.transpose(1, 2).reshape(batch, height, width, dim))
+        return super().forward(x.reshape(batch, height * width, dim)).reshape(batch, height, width, dim)
 
 
 class ClassAttention(nn.Module):
@@ -305,7 +298,9 @@ def _build_block(args: VOLOArgs, stage: int, block_index: int, factory: dict) ->
         )
         return GridBlock(dim, attn, mlp_hidden, **factory)
     drop_path = args.drop_path_rate * block_index / max(sum(args.layers) - 1, 1)
-    attn = SelfAttention(dim, heads, args.qkv_bias, args.attn_drop_rate, **factory)
+    attn = SelfAttention(
+        dim, heads, args.attn_drop_rate, 0.0, args.attn_impl, args.attn_softmax_fp32, args.qkv_bias, **factory
+    )
     return GridBlock(dim, attn, mlp_hidden, drop_path, **factory)
 
 

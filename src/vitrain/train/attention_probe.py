@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -46,7 +47,8 @@ def attention_shapes(model: nn.Module, images: torch.Tensor) -> dict[Shape, list
     shapes: dict[Shape, list[Attention]] = {}
 
     def record(module: Attention, inputs: tuple[torch.Tensor, ...]) -> None:
-        _, tokens, width = inputs[0].shape
+        *_, width = inputs[0].shape  # (B, N, C) tokens, or a (B, H, W, C) grid (VOLO)
+        tokens = math.prod(inputs[0].shape[1:-1])
         shapes.setdefault((tokens, width, module.num_heads), []).append(module)
 
     handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, Attention)]
