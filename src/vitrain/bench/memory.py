@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from vitrain.train.host_memory import return_free_heap_to_os
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -32,17 +32,6 @@ def _reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def _return_free_heap_to_os() -> None:
-    """glibc keeps freed heap pages resident; without trimming, a second measurement in the same
-    process would reuse them and show almost no RSS increase."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to trim
 
 
 def _max_rss_bytes() -> int:
@@ -74,7 +63,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        _return_free_heap_to_os()
+        # glibc keeps freed heap pages resident; untrimmed, a second measurement in the same process
+        # would reuse them and show almost no RSS increase
+        return_free_heap_to_os()
         self._resettable = _reset_peak_rss() and _status_bytes("VmHWM") is not None
         if self._resettable:
             self._baseline = _status_bytes("VmRSS") or 0

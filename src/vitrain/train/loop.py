@@ -53,6 +53,7 @@ from vitrain.parallel.distributed import (
 from vitrain.parallel.parallelize import apply_block_compile, apply_model_parallelism
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.evaluate import evaluate
+from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
 from vitrain.train.signals import Preempted, StopSignals
@@ -166,6 +167,7 @@ class Run:
 
 def build_training_step(plan: Plan) -> TrainStep:
     """Seeded model, optimizer, schedule, scaler and the step that holds them (training and bench)."""
+    configure_host_allocator(plan.config.train.host_allocator)  # before the step's first allocations
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
     if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
