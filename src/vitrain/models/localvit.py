@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import Grid, image_as_tokens, tokens_as_image
+from vitrain.models.layers import Grid, image_as_tokens, split_prefix, tokens_as_image
 
 if TYPE_CHECKING:
     from vitrain.models.vit import VisionTransformer, ViTArgs
@@ -95,7 +95,7 @@ class LocalViTMlp(nn.Module):
         # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (F.linear on the
         # conv weights), and the depthwise conv and the BatchNorms see channels_last views of the
         # same memory; no NCHW copy is made. Same numbers as the official NCHW code (tested).
-        prefix, patches = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens :]
+        prefix, patches = split_prefix(x, self.num_prefix_tokens)
         hidden = F.linear(patches, self.expand.weight.flatten(1))
         image = self.act(self.expand_norm(tokens_as_image(hidden, grid)))
         image = self.act(self.depthwise_norm(self.depthwise(image)))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import Attention, DropPath, Grid, Mlp, resample_pos_embed
+from vitrain.models.layers import Attention, DropPath, Grid, Mlp, resample_pos_embed, split_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +280,10 @@ class ClassBlock(nn.Module):
         self.mlp = Mlp(dim, mlp_hidden, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cls = x[:, :1] + self.attn(self.norm1(x))
+        cls, patches = split_prefix(x, 1)
+        cls = cls + self.attn(self.norm1(x))
         cls = cls + self.mlp(self.norm2(cls), (1, 1))  # the CLS token alone: a 1x1 "grid"
-        return torch.cat([cls, x[:, 1:]], dim=1)
+        return torch.cat([cls, patches], dim=1)
 
 
 def _grid(x: torch.Tensor) -> Grid:
