@@ -111,9 +111,11 @@ class DataConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    name: Literal["adamw", "sgd", "muon", "lamb"] = "adamw"
     """Optimizer. muon: Muon (orthogonalized momentum) on the blocks' weight matrices and AdamW (betas,
-    eps) on the rest (embeddings, head, norms, biases, depthwise kernels), one lr and weight decay."""
+    eps) on the rest (embeddings, head, norms, biases, depthwise kernels), one lr and weight decay.
+    lamb: LAMB (You et al. 2020) for large batches: the Adam step (betas, eps) with weight decay, scaled
+    per tensor by ||w|| / ||update|| (NVIDIA's variant, as apex and timm; eps 1e-6 is theirs)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """fused: one kernel for all parameters; foreach: multi-tensor ops (pycls's "MTA"); for-loop: one
     parameter at a time; auto: fused where torch has it for the device (CPU and CUDA), else foreach."""
@@ -122,7 +124,7 @@ class OptimConfig(Section):
     reference_batch: int = Field(1024, ge=1)
     """Batch size at which optim.lr applies (lr = lr * global_batch / reference_batch)."""
     weight_decay: float = Field(0.05, ge=0.0)
-    """Decoupled weight decay; never applied to norms, biases, position embeddings or tokens."""
+    """Decoupled weight decay (LAMB: L2 inside its update); never on norms, biases, position embeddings or tokens."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     eps: float = Field(1e-8, gt=0.0)
@@ -805,12 +807,18 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
             f"parallel.tp_size={tp_size} must divide the {heads} attention heads and the FFN width {hidden} of "
             f"{config.model.name}; choose a tp_size that divides both",
         )
-    if strategy != "ddp":
+    whole_tensor_optimizers = {
+        "muon": "Muon orthogonalizes whole weight matrices",
+        "lamb": "LAMB's trust ratio needs the norm of each whole tensor",
+    }
+    if strategy != "ddp" and config.optim.name in whole_tensor_optimizers:
         _require(
-            config.optim.name != "muon" or world.size == 1,
-            f"optim.name=muon with parallel.strategy={strategy}: Muon orthogonalizes whole weight matrices and "
-            "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
+            world.size == 1,
+            f"optim.name={config.optim.name} with parallel.strategy={strategy}: "
+            f"{whole_tensor_optimizers[config.optim.name]} and this strategy shards them; use "
+            "parallel.strategy=ddp or optim.name=adamw",
         )
+    if strategy != "ddp":
         _require(
             precision != "fp16",
             f"parallel.strategy={strategy} with precision=fp16: loss scaling of sharded gradients is not "

@@ -304,6 +304,7 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
         ),
         (["parallel.strategy=fsdp", "parallel.fsdp_cpu_offload=true"], 2, "fsdp_cpu_offload=true needs"),
         (["parallel.strategy=fsdp", "optim.name=muon"], 2, "optim.name=muon with parallel.strategy=fsdp"),
+        (["parallel.strategy=tp", "model.num_heads=6", "optim.name=lamb"], 2, "LAMB's trust ratio needs the norm"),
     ],
 )
 def test_unsupported_parallel_combinations_are_refused(overrides, size, needle):

@@ -9,7 +9,7 @@ import torch
 from tests.conftest import make_config
 from vitrain.cli import make_plan
 from vitrain.models import build_model
-from vitrain.train.optim import MuonAdamW, build_muon_param_groups, build_optimizer, orthogonalize
+from vitrain.train.optim import Lamb, MuonAdamW, build_muon_param_groups, build_optimizer, orthogonalize
 
 
 @pytest.mark.parametrize("shape", [(48, 80), (80, 48), (64, 64)])
@@ -108,3 +108,51 @@ def test_build_optimizer_gives_muon_its_settings_and_the_run_lr(small_synthetic_
     assert (optimizer.ns_steps, optimizer.orthogonalize_dtype) == (3, torch.float32)  # fp32 run
     assert {group["lr"] for group in optimizer.param_groups} == {plan.lr}
     assert optimizer.param_groups[0]["momentum"] == 0.9
+
+
+def _timm_lamb(params: list, lr: float, weight_decay: float, eps: float):
+    timm_optim = pytest.importorskip("timm.optim", reason="timm is a test dependency for parity checks ([dev] extra)")
+    groups = [{"params": params[::2], "weight_decay": weight_decay}, {"params": params[1::2], "weight_decay": 0.0}]
+    # max_grad_norm=None: gradient clipping belongs to our training step, not the optimizer
+    return timm_optim.Lamb(groups, lr=lr, betas=(0.9, 0.95), eps=eps, max_grad_norm=None)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_lamb_steps_as_timms_lamb(foreach):
+    torch.manual_seed(0)
+    ours = [torch.randn(16, 8), torch.randn(8), torch.randn(3, 1, 3, 3), torch.randn(5), torch.zeros(4, 4)]
+    theirs = [p.clone() for p in ours]
+    lr, weight_decay, eps = 2e-2, 0.1, 1e-6
+    groups = [{"params": ours[::2], "weight_decay": weight_decay}, {"params": ours[1::2], "weight_decay": 0.0}]
+    optimizer = Lamb(groups, lr, betas=(0.9, 0.95), eps=eps, foreach=foreach)
+    reference = _timm_lamb(theirs, lr, weight_decay, eps)
+    _step_both_on_the_same_gradients((optimizer, reference), (ours, theirs), steps=4)
+    for mine, timm_lamb in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, timm_lamb, rtol=1e-5, atol=1e-7)
+
+
+def test_lamb_trust_ratio_sets_each_tensors_step_to_lr_times_its_norm():
+    # One step from zero moments: the Adam direction is sign(g) (|m_hat| = sqrt(v_hat)), so the update
+    # u = sign(g) + wd * w; the trust ratio rescales it to ||w||, whatever the gradient's size.
+    torch.manual_seed(0)
+    weights = [torch.randn(32, 16), 10 * torch.randn(8, 8)]
+    before = [w.clone() for w in weights]
+    optimizer = Lamb([{"params": weights, "weight_decay": 0.01}], lr=0.1, eps=1e-12)
+    for w, scale in zip(weights, (1e-4, 1e3), strict=True):
+        w.grad = scale * torch.randn(w.shape)
+    optimizer.step()
+    for w, old in zip(weights, before, strict=True):
+        step = old - w
+        torch.testing.assert_close(step.norm(), 0.1 * old.norm(), rtol=1e-5, atol=0)
+        expected = torch.sign(w.grad) + 0.01 * old
+        torch.testing.assert_close(step, 0.1 * old.norm() / expected.norm() * expected, rtol=1e-4, atol=1e-6)
+
+
+def test_build_optimizer_gives_lamb_its_groups_lr_and_eps(small_synthetic_overrides):
+    plan = make_plan(make_config(*small_synthetic_overrides, "optim.name=lamb", "optim.eps=1e-6"))
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    optimizer = build_optimizer(model, plan)
+    assert isinstance(optimizer, Lamb) and optimizer.foreach
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [plan.config.optim.weight_decay, 0.0]
+    assert {group["lr"] for group in optimizer.param_groups} == {plan.lr}
+    assert optimizer.defaults["eps"] == 1e-6

@@ -25,6 +25,8 @@ SCENARIOS = {
     "fp16": (["precision=fp16", "train.epochs=2"], [9]),
     # Muon's momentum buffers beside the AdamW moments of the other parameters, resumed mid-epoch
     "muon": (["optim.name=muon", "train.epochs=2"], [9]),
+    # LAMB's per-tensor step counts and moments (multi-tensor update), resumed mid-epoch
+    "lamb": (["optim.name=lamb", "train.epochs=2"], [9]),
     # explicit stages ending mid-epoch at steps 8 (14 -> 21 px) and 21 (21 -> 28 px, batch 8 -> 16)
     "curriculum": (
         [

@@ -1,5 +1,5 @@
-"""Optimizer construction: parameter groups with weight-decay exclusion, and Muon for the hidden
-matrices (``optim.name=muon``)."""
+"""Optimizer construction: parameter groups with weight-decay exclusion, Muon for the hidden matrices
+(``optim.name=muon``) and LAMB for large batches (``optim.name=lamb``)."""
 
 from __future__ import annotations
 
@@ -165,6 +165,85 @@ class MuonAdamW(torch.optim.Optimizer):
             )  # fmt: skip
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), NVIDIA's variant as in
+    apex's FusedLAMB and timm's ``Lamb``: the bias-corrected Adam direction plus L2 weight decay,
+    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, scaled per tensor by the trust ratio
+    ``||w|| / ||u||`` (1 when either norm is 0), then ``w -= lr * ratio * u``. Tensors without weight
+    decay (norms, biases, embeddings) take the plain Adam step, as in apex and timm. Gradient clipping
+    stays with the training step (``optim.grad_clip``). Multi-tensor (``torch._foreach_*``) throughout:
+    torch has no fused LAMB kernel; ``foreach=False`` runs the same ops one tensor at a time."""
+
+    def __init__(
+        self,
+        params: Iterable[dict],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        foreach: bool = True,
+    ):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.foreach = foreach
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [parameter for parameter in group["params"] if parameter.grad is not None]
+            if params:
+                self._update_group(group, params)
+        return loss
+
+    def _update_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        for parameter in params:
+            state = self.state[parameter]
+            if not state:  # torch.optim.AdamW's state layout
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state["step"] += 1
+        if not self.foreach:  # one tensor at a time, same arithmetic
+            for parameter in params:
+                self._update_tensors(group, [parameter], [self.state[parameter]])
+            return
+        by_step: dict[float, list[torch.Tensor]] = {}  # tensors added to the group later have fewer steps
+        for parameter in params:
+            by_step.setdefault(self.state[parameter]["step"].item(), []).append(parameter)
+        for tensors in by_step.values():
+            self._update_tensors(group, tensors, [self.state[parameter] for parameter in tensors])
+
+    @staticmethod
+    def _update_tensors(group: dict, params: list[torch.Tensor], states: list[dict]) -> None:
+        beta1, beta2 = group["betas"]
+        step = states[0]["step"].item()
+        grads = [parameter.grad for parameter in params]
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2**step))
+        torch._foreach_add_(denominators, group["eps"])
+        updates = torch._foreach_div(exp_avgs, denominators)
+        torch._foreach_div_(updates, 1 - beta1**step)
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+            weight_norms = torch.stack(torch._foreach_norm(params))
+            update_norms = torch.stack(torch._foreach_norm(updates))
+            ratios = torch.where(
+                (weight_norms > 0) & (update_norms > 0), weight_norms / update_norms, torch.ones_like(weight_norms)
+            )
+            torch._foreach_mul_(
+                updates, [ratio.to(update.dtype) for ratio, update in zip(ratios, updates, strict=True)]
+            )
+        torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+
 def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
     """torch.optim keyword arguments for an ``optim.implementation`` on ``device``."""
     if implementation == "auto":
@@ -188,6 +267,9 @@ def build_optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
             groups, plan.lr, config.betas, config.eps, config.muon_momentum, config.ns_steps, dtype, **flags
         )
     groups = build_param_groups(model, config.weight_decay)
+    if config.name == "lamb":  # no fused LAMB in torch: multi-tensor unless one tensor at a time is asked for
+        foreach = config.implementation != "for-loop"
+        return Lamb(groups, plan.lr, config.betas, config.eps, config.weight_decay, foreach=foreach)
     if config.name == "adamw":
         return torch.optim.AdamW(groups, lr=plan.lr, betas=config.betas, eps=config.eps, **flags)
     return torch.optim.SGD(groups, lr=plan.lr, momentum=config.momentum, **flags)
