@@ -167,17 +167,17 @@ def _cpu_matmul_tflops(precision: str, size: int, num_threads: int, seconds: flo
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(size, size, generator=generator).to(dtype)
     weight = torch.randn(size, size, generator=generator).to(dtype)
-    started = time.perf_counter()
     F.linear(inputs, weight)  # warm-up: first-call kernel selection and page faults
-    one_s = time.perf_counter() - started
-    repeats = max(1, round(seconds / trials / max(one_s, 1e-9)))
-    best_s = float("inf")
+    # Each trial runs for its share of ``seconds`` (not a repeat count sized from the warm-up call:
+    # that call can be 100x slower than the rest, and a one-matmul trial then reads half the peak).
+    best = 0.0
     for _ in range(trials):
-        started = time.perf_counter()
-        for _ in range(repeats):
+        calls, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds / trials or calls == 0:
             F.linear(inputs, weight)
-        best_s = min(best_s, time.perf_counter() - started)
-    return 2 * size**3 * repeats / best_s / 1e12
+            calls += 1
+        best = max(best, 2 * size**3 * calls / elapsed)
+    return best / 1e12
 
 
 def measure_cpu_peak(precision: str, size: int = 2048, seconds: float = 0.5, trials: int = 3) -> PeakFlops:
