@@ -108,7 +108,7 @@ class ConvStem(nn.Module):
             layers += [
                 nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False, **factory),
                 nn.BatchNorm2d(width, **factory),
-                nn.ReLU(inplace=True),
+                nn.ReLU(),
             ]
             channels = width
         self.convs = nn.Sequential(*layers)

@@ -143,7 +143,7 @@ class ConvStem(nn.Module):
             channels_in = in_chans if index == 0 else hidden
             layers.append(nn.Conv2d(channels_in, hidden, kernel, stride, kernel // 2, bias=False, **factory))
             layers.append(nn.BatchNorm2d(hidden, **factory))
-            layers.append(nn.ReLU(inplace=True))
+            layers.append(nn.ReLU())
         self.conv = nn.Sequential(*layers)
         self.proj = nn.Conv2d(hidden, embed_dim, patch_size // 2, stride=patch_size // 2, **factory)
 
