@@ -30,7 +30,7 @@ RECORD_FIELDS = {
     "model", "image_size", "batch", "precision", "precision_mode", "compile", "device", "device_name", "threads",
     "img_s_median", "img_s_min", "img_s_max", "step_ms_median", "flops_per_image_fwd", "train_flops_per_step",
     "achieved_tflops", "peak_tflops", "peak_source", "mfu", "peak_memory_bytes", "torch", "git_revision",
-    "warmup_s", "compile_s",
+    "warmup_s", "compile_s", "host_allocator",
 }  # fmt: skip
 TINY = ["--image-size", "14", "--batch", "4", "--precision", "fp32", "--steps", "2", "--repeats", "2", "--warmup", "1"]
 

@@ -211,6 +211,7 @@ def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
         "repeats": settings.repeats,
         "device": plan.device,
         "threads": torch.get_num_threads(),
+        "host_allocator": plan.config.train.host_allocator,  # the process's, so timm's run has it too
         **run_environment(plan.device),
     }
 
