@@ -20,6 +20,24 @@ NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADAMW_MATCHED_RMS = 0.2
 
 
+def evaluate_closure(closure) -> torch.Tensor | None:
+    """The loss of an optimizer's ``step(closure)`` (torch's convention: the closure runs with grad on)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def adam_state(state: dict, parameter: torch.Tensor, step_device: torch.device | str = "cpu") -> dict:
+    """``state`` holding what torch.optim.AdamW keeps for ``parameter`` (created on first use): a step
+    count (on the parameter's device for the fused kernels) and the two moments."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+        state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+    return state
+
+
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices and conv kernels; never norms, biases, position embeddings or tokens."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
@@ -108,10 +126,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
@@ -145,12 +160,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for parameter in group["params"]:
             if parameter.grad is None:
                 continue
-            state = self.state[parameter]
-            if not state:  # the state torch.optim.AdamW keeps (fused kernels want the step on the device)
-                step_device = parameter.device if self.fused else "cpu"
-                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state = adam_state(self.state[parameter], parameter, parameter.device if self.fused else "cpu")
             params.append(parameter)
             grads.append(parameter.grad)
             exp_avgs.append(state["exp_avg"])
@@ -188,10 +198,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             params = [parameter for parameter in group["params"] if parameter.grad is not None]
             if params:
@@ -200,12 +207,7 @@ class Lamb(torch.optim.Optimizer):
 
     def _update_group(self, group: dict, params: list[torch.Tensor]) -> None:
         for parameter in params:
-            state = self.state[parameter]
-            if not state:  # torch.optim.AdamW's state layout
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-            state["step"] += 1
+            adam_state(self.state[parameter], parameter)["step"] += 1
         if not self.foreach:  # one tensor at a time, same arithmetic
             for parameter in params:
                 self._update_tensors(group, [parameter], [self.state[parameter]])
