@@ -300,7 +300,13 @@ def _build_block(args: VOLOArgs, stage: int, block_index: int, factory: dict) ->
         return GridBlock(dim, attn, mlp_hidden, **factory)
     drop_path = args.drop_path_rate * block_index / max(sum(args.layers) - 1, 1)
     attn = SelfAttention(
-        dim, heads, args.attn_drop_rate, 0.0, args.attn_impl, args.attn_softmax_fp32, args.qkv_bias, **factory
+        dim,
+        heads,
+        attn_drop=args.attn_drop_rate,
+        impl=args.attn_impl,
+        softmax_fp32=args.attn_softmax_fp32,
+        qkv_bias=args.qkv_bias,
+        **factory,
     )
     return GridBlock(dim, attn, mlp_hidden, drop_path, **factory)
 

@@ -21,10 +21,14 @@ from typing import Literal
 
 log = logging.getLogger("vitrain")
 
-# mallopt parameters (glibc malloc.h)
+# mallopt parameters (glibc malloc.h) and glibc's defaults for them (malloc/malloc.c)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
+DEFAULT_MMAP_MAX = 65536
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+_cached = False  # whether this process has set "cached" (what "system" then has to undo)
 
 
 @functools.cache
@@ -39,14 +43,20 @@ def glibc() -> ctypes.CDLL | None:
 
 
 def configure_host_allocator(policy: Literal["cached", "system"]) -> bool:
-    """Apply ``policy`` to this process (and to processes forked from it later); True when applied.
-    ``system`` leaves glibc's defaults (a process that set ``cached`` keeps it: glibc has no undo)."""
+    """Apply ``policy`` to this process (and to processes forked from it later); True when glibc took
+    it. ``system`` in a process that never set ``cached`` changes nothing; after ``cached`` it puts
+    glibc's default limits back (its dynamic mmap threshold stays off once a limit was set)."""
+    global _cached
     libc = glibc()
-    if policy == "system" or libc is None:
+    if libc is None or (policy == "system" and not _cached):
         return False
-    applied = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX) == 1
+    mmap_max, trim_threshold = (
+        (0, TRIM_THRESHOLD_MAX) if policy == "cached" else (DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD)
+    )
+    applied = libc.mallopt(M_MMAP_MAX, mmap_max) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
     if not applied:
-        log.warning("train.host_allocator=cached: glibc refused the mallopt settings; running with its defaults")
+        log.warning("train.host_allocator=%s: glibc refused the mallopt settings", policy)
+    _cached = policy == "cached" if applied else _cached
     return applied
 
 
