@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from vitrain.models.volo import VOLO, VOLO_VARIANTS, ClassBlock, Downsample, VOLOArgs, volo_flops
+from vitrain.models.volo import VOLO, VOLO_VARIANTS, ClassBlock, Downsample, OutlookAttention, VOLOArgs, volo_flops
 
 # The published layout (outlookers, downsample, three transformer stages, two class-attention
 # blocks, auxiliary head) at a few channels of width: builds and runs in milliseconds.
@@ -364,3 +365,32 @@ def test_analytic_flops_of_one_part_match_counter(change):
     analytic = volo_flops(changed, 64) - volo_flops(SMALL, 64)
     measured = _measured_flops(changed, 64) - _measured_flops(SMALL, 64)
     assert analytic != 0 and math.isclose(analytic, measured, rel_tol=0.05), (analytic, measured)
+
+
+def _unfold_fold_outlook(module: OutlookAttention, x: torch.Tensor) -> torch.Tensor:
+    """Outlook attention as timm and the official code write it: F.unfold / F.fold on channels-first maps."""
+    batch, height, width, dim = x.shape
+    kernel, stride, padding, heads = module.kernel_size, module.stride, module.kernel_size // 2, module.num_heads
+    values = F.unfold(module.v(x).permute(0, 3, 1, 2), kernel, padding=padding, stride=stride)
+    windows = values.shape[-1]
+    values = values.reshape(batch, heads, dim // heads, kernel**2, windows).permute(0, 1, 4, 3, 2)
+    pooled = F.avg_pool2d(x.permute(0, 3, 1, 2), stride, stride, ceil_mode=True).permute(0, 2, 3, 1)
+    weights = module.attn(pooled).reshape(batch, windows, heads, kernel**2, kernel**2).permute(0, 2, 1, 3, 4)
+    out = ((weights * module.scale).softmax(dim=-1) @ values).permute(0, 1, 4, 3, 2).reshape(batch, -1, windows)
+    out = F.fold(out, (height, width), kernel, padding=padding, stride=stride)
+    return module.proj(out.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize(("size", "kernel", "stride"), [(14, 3, 2), (13, 3, 2), (10, 3, 1), (12, 5, 2)])
+def test_outlook_attention_equals_unfold_fold_with_gradients(size, kernel, stride):
+    torch.manual_seed(0)
+    module = OutlookAttention(24, 3, kernel_size=kernel, stride=stride, qkv_bias=True).double()
+    x = torch.randn(2, size, size, 24, dtype=torch.float64, requires_grad=True)
+    results = []
+    for forward in (module, lambda grid: _unfold_fold_outlook(module, grid)):
+        module.zero_grad()
+        x.grad = None
+        out = forward(x)
+        (out * torch.linspace(-1, 1, 24, dtype=torch.float64)).sum().backward()
+        results.append((out, x.grad, [parameter.grad.clone() for parameter in module.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
