@@ -777,6 +777,21 @@ def _tensor_parallel_shape(config: Config) -> tuple[int, int] | None:
     return config.model.num_heads or spec.args.num_heads, spec.args.mlp_dim or int(spec.args.embed_dim * ratio)
 
 
+# Optimizers whose update needs each whole tensor, and why (refused where a strategy shards tensors).
+WHOLE_TENSOR_OPTIMIZERS = {
+    "muon": "Muon orthogonalizes whole weight matrices",
+    "lamb": "LAMB's trust ratio needs the norm of each whole tensor",
+}
+
+
+def _check_optimizer_sees_whole_tensors(optimizer: str, strategy: str, world: World) -> None:
+    _require(
+        strategy == "ddp" or optimizer not in WHOLE_TENSOR_OPTIMIZERS or world.size == 1,
+        f"optim.name={optimizer} with parallel.strategy={strategy}: {WHOLE_TENSOR_OPTIMIZERS.get(optimizer)} and "
+        "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
+    )
+
+
 def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) -> tuple[World, str]:
     """The world with its tensor-parallel degree, and the checkpoint format; every unsupported combination
     of strategy, model, precision and process count is refused here, naming the key."""
@@ -807,17 +822,7 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
             f"parallel.tp_size={tp_size} must divide the {heads} attention heads and the FFN width {hidden} of "
             f"{config.model.name}; choose a tp_size that divides both",
         )
-    whole_tensor_optimizers = {
-        "muon": "Muon orthogonalizes whole weight matrices",
-        "lamb": "LAMB's trust ratio needs the norm of each whole tensor",
-    }
-    if strategy != "ddp" and config.optim.name in whole_tensor_optimizers:
-        _require(
-            world.size == 1,
-            f"optim.name={config.optim.name} with parallel.strategy={strategy}: "
-            f"{whole_tensor_optimizers[config.optim.name]} and this strategy shards them; use "
-            "parallel.strategy=ddp or optim.name=adamw",
-        )
+    _check_optimizer_sees_whole_tensors(config.optim.name, strategy, world)
     if strategy != "ddp":
         _require(
             precision != "fp16",
