@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from vitrain.models.volo import VOLO, VOLO_VARIANTS, ClassBlock, Downsample, OutlookAttention, VOLOArgs, volo_flops
+from vitrain.models.volo import (
+    VOLO,
+    VOLO_VARIANTS,
+    ClassBlock,
+    Downsample,
+    OutlookAttention,
+    ScaledSoftmax,
+    VOLOArgs,
+    volo_flops,
+)
 
 # The published layout (outlookers, downsample, three transformer stages, two class-attention
 # blocks, auxiliary head) at a few channels of width: builds and runs in milliseconds.
@@ -394,3 +403,22 @@ def test_outlook_attention_equals_unfold_fold_with_gradients(size, kernel, strid
         (out * torch.linspace(-1, 1, 24, dtype=torch.float64)).sum().backward()
         results.append((out, x.grad, [parameter.grad.clone() for parameter in module.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+
+
+def test_scaled_softmax_equals_torch_softmax_and_gradcheck():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 3, 9, 9, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: ScaledSoftmax.apply(x, 0.7), (logits,))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (logits.detach() * 4).to(dtype).requires_grad_()
+        before = x.detach().clone()
+        ours = ScaledSoftmax.apply(x, 0.7)
+        assert torch.equal(x, before)  # computed on a copy, also when x is already float32
+        (grad,) = torch.autograd.grad(ours, x, torch.linspace(-1, 1, 9, dtype=dtype).expand_as(ours))
+        reference = (x.detach().double() * 0.7).requires_grad_()
+        expected = reference.softmax(-1)
+        (expected_grad,) = torch.autograd.grad(expected, reference, torch.linspace(-1, 1, 9).double().expand_as(ours))
+        assert ours.dtype == dtype and grad.dtype == dtype
+        tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding of values in [0, 1]
+        torch.testing.assert_close(ours.double(), expected, rtol=0, atol=tolerance)
+        torch.testing.assert_close(grad.double(), expected_grad * 0.7, rtol=0, atol=tolerance)
