@@ -152,6 +152,62 @@ def test_attention_implementations_agree():
     assert torch.allclose(sdpa(images), matmul(images), atol=1e-5)
 
 
+def _reference_attention(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per head, through autograd: what MatmulAttention writes out."""
+    batch, tokens, _ = qkv.shape
+    q, k, v = qkv.reshape(batch, tokens, 3, -1, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    weights = (q @ k.transpose(-2, -1) * head_dim**-0.5).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(batch, tokens, -1)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(17, 3, 8), (5, 1, 4), (10, 4, 6)])
+def test_matmul_attention_function_equals_autograd_attention(tokens, heads, head_dim):
+    from vitrain.models.layers import MatmulAttention
+
+    torch.manual_seed(0)
+    qkv = torch.randn(3, tokens, 3 * heads * head_dim, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, tokens, heads * head_dim, dtype=torch.float64)
+    results = []
+    for attend in (
+        lambda x: MatmulAttention.apply(x, head_dim, head_dim**-0.5),
+        lambda x: _reference_attention(x, head_dim),
+    ):
+        out = attend(qkv)
+        results.append((out, torch.autograd.grad(out, qkv, upstream)[0]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+    small = qkv.detach()[:1, :4, :].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: MatmulAttention.apply(x, head_dim, 0.5), (small,))
+
+
+def test_attention_module_uses_the_written_out_backward_only_where_it_applies(monkeypatch):
+    """matmul attention without dropout or the fp32 softmax runs MatmulAttention; with either it takes
+    the autograd path (in float32 the fp32 softmax changes no number: the reference); under bf16
+    autocast MatmulAttention computes in bf16."""
+    from vitrain.models import layers
+
+    calls = []
+    original = layers.MatmulAttention.apply
+    monkeypatch.setattr(layers.MatmulAttention, "apply", lambda *args: calls.append(1) or original(*args))
+    torch.manual_seed(0)
+    fused = layers.Attention(32, 4, impl="matmul")
+    reference = layers.Attention(32, 4, impl="matmul", softmax_fp32=True)
+    reference.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    upstream = torch.randn(2, 9, 32)
+    results = []
+    for module in (fused, reference):
+        out = module(x)
+        results.append((out, *torch.autograd.grad(out, [x, *module.parameters()], upstream)))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+    layers.Attention(32, 4, impl="matmul", attn_drop=0.5).train()(x)
+    assert len(calls) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused_bf16 = fused(x)
+    assert fused_bf16.dtype == torch.bfloat16 and len(calls) == 2
+    torch.testing.assert_close(fused_bf16.float(), results[1][0], rtol=0.02, atol=0.02)
+
+
 def test_fp32_softmax_switch_keeps_fp16_matmul_attention_finite_where_scores_overflow():
     from vitrain.models.layers import Attention
 
