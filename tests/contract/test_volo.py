@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from vitrain.models.volo import (
     VOLO,
     VOLO_VARIANTS,
+    ClassAttention,
     ClassBlock,
     Downsample,
     OutlookAttention,
@@ -422,3 +423,20 @@ def test_scaled_softmax_equals_torch_softmax_and_gradcheck():
         tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding of values in [0, 1]
         torch.testing.assert_close(ours.double(), expected, rtol=0, atol=tolerance)
         torch.testing.assert_close(grad.double(), expected_grad * 0.7, rtol=0, atol=tolerance)
+
+
+def test_class_attention_equals_sdpa_with_gradients():
+    torch.manual_seed(0)
+    module = ClassAttention(24, 3, qkv_bias=True).double()
+    x = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
+
+    def sdpa(x: torch.Tensor) -> torch.Tensor:
+        k, v = module.kv(x).reshape(2, 7, 2, 3, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        q = module.q(x[:, :1]).reshape(2, 1, 3, 8).transpose(1, 2)
+        return module.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 1, 24))
+
+    results = []
+    for forward in (module, sdpa):
+        out = forward(x)
+        results.append((out, *torch.autograd.grad(out.sum(), [x, *module.parameters()])))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
