@@ -160,7 +160,7 @@ class MatmulAttention(torch.autograd.Function):
     def _forward(ctx, qkv: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor:
         batch, tokens, width = qkv.shape
         heads = width // (3 * head_dim)
-        blocks = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        blocks = qkv.reshape(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
         blocks = blocks.reshape(3, batch * heads, tokens, head_dim)
         q, k, v = blocks.unbind(0)
         scores = q.new_empty(batch * heads, tokens, tokens)
