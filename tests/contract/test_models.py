@@ -177,6 +177,8 @@ def test_matmul_attention_function_equals_autograd_attention(tokens, heads, head
     torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
     small = qkv.detach()[:1, :4, :].clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda x: MatmulAttention.apply(x, head_dim, 0.5), (small,))
+    strided = torch.cat([qkv.detach(), qkv.detach()], dim=-1)[..., : qkv.shape[-1]]  # not contiguous
+    torch.testing.assert_close(MatmulAttention.apply(strided, head_dim, head_dim**-0.5), results[1][0])
 
 
 def test_attention_module_uses_the_written_out_backward_only_where_it_applies(monkeypatch):
