@@ -310,7 +310,7 @@ class ClassAttention(nn.Module):
 
     One query row per head: explicit matmuls, as timm writes it. SDPA's CPU flash kernel spent 20 ms
     in the backward of each of VOLO-D1's two class blocks at batch 32 (bf16, 2-core AMX CPU), 1.6 %
-    of the step, for a product of B x heads rows; the softmax over that row is taken in float32."""
+    of the step, for that single row; the softmax over it is taken in float32."""
 
     def __init__(
         self, dim: int, num_heads: int, qkv_bias: bool = False, attn_drop: float = 0.0, device=None, dtype=None
