@@ -244,7 +244,7 @@ class Attention(nn.Module):
         # DeiT's fix for NaN losses in fp16: scores q.k^T and their softmax in fp32 (an fp16 product
         # overflows past 65504), the probabilities back in v's dtype for the second product. SDPA needs
         # no switch: its fused kernels accumulate in fp32 and its math fallback upcasts fp16/bf16.
-        with torch.autocast(q.device.type, enabled=False):
+        with _autocast_off(q.device):
             weights = (q.float() * self.scale) @ k.float().transpose(-2, -1)
             probabilities = weights.softmax(dim=-1)
         return F.dropout(probabilities.to(v.dtype), dropout, self.training) @ v
