@@ -185,6 +185,10 @@ class TrainConfig(Section):
     """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
     no trimming), so a step's tensors stop page-faulting in fresh pages (VOLO-D1 at 224 px on a 2-core
     CPU: 3.37 -> 2.43 s a step); system: the C library's defaults (memory handed back as freed)."""
+    cpu_kernels: Literal["auto", "fused", "native"] = "auto"
+    """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
+    gradient sums. auto: used where they apply if they compile (first use, cached; needs g++ and ninja);
+    fused: fail if they cannot be built; native: PyTorch's own ops (vitrain/kernels, docs/benchmarks.md)."""
     compile: bool = False
     """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
     model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last

@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain import kernels
+
 Grid = tuple[int, int]
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose bf16 CPU path runs the fused kernels of :mod:`vitrain.kernels` (float32
+    statistics and gradient sums; ``train.cpu_kernels``). Same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 def tokens_as_image(tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -286,7 +296,7 @@ class LocalityMlp(nn.Module):
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         x = self.fc1(x)
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
-        patches = image_as_tokens(self.conv(tokens_as_image(patches, grid)))
+        patches = image_as_tokens(kernels.depthwise_conv3x3(tokens_as_image(patches, grid), self.conv))
         x = torch.cat([prefix, patches], dim=1) if self.num_prefix_tokens else patches
         return self.drop2(self.fc2(self.drop1(self.act(x))))
 
@@ -311,10 +321,10 @@ class Block(nn.Module):
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm1 = LayerNorm(dim, eps=1e-6, **factory)
         self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, attn_softmax_fp32, **factory)
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm2 = LayerNorm(dim, eps=1e-6, **factory)
         self.mlp = mlp_type(dim, mlp_hidden, drop, num_prefix_tokens, **factory)
         self.drop_path2 = DropPath(drop_path)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain import kernels
 from vitrain.models.layers import Grid, image_as_tokens, split_prefix, tokens_as_image
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class LocalViTMlp(nn.Module):
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
         hidden = F.linear(patches, self.expand.weight.flatten(1))
         image = self.act(self.expand_norm(tokens_as_image(hidden, grid)))
-        image = self.act(self.depthwise_norm(self.depthwise(image)))
+        image = self.act(self.depthwise_norm(kernels.depthwise_conv3x3(image, self.depthwise)))
         hidden = image_as_tokens(self.drop1(self.se(image)))
         patches = tokens_as_image(F.linear(hidden, self.reduce.weight.flatten(1)), grid)
         patches = self.drop2(image_as_tokens(self.reduce_norm(patches)))

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vitrain.models.layers import Block, ConvStem, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+from vitrain.models.layers import Block, ConvStem, LayerNorm, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
 from vitrain.models.localvit import LocalViTMlp
 
 
@@ -82,7 +82,7 @@ class VisionTransformer(nn.Module):
             )
             for rate in drop_path_rates
         )
-        final_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
+        final_norm = LayerNorm(dim, eps=1e-6, **factory)
         self.norm = final_norm if args.head == "cls" else nn.Identity()
         self.fc_norm = final_norm if args.head == "gap" else nn.Identity()
         self.head_drop = nn.Dropout(args.drop_rate)

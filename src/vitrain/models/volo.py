@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import Attention, DropPath, Grid, Mlp, resample_pos_embed, split_prefix
+from vitrain.models.layers import Attention, DropPath, Grid, LayerNorm, Mlp, resample_pos_embed, split_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,10 +341,10 @@ class GridBlock(nn.Module):
     def __init__(self, dim: int, attn: nn.Module, mlp_hidden: int, drop_path: float = 0.0, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(dim, **factory)
+        self.norm1 = LayerNorm(dim, **factory)
         self.attn = attn
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, **factory)
+        self.norm2 = LayerNorm(dim, **factory)
         self.mlp = Mlp(dim, mlp_hidden, **factory)
         self.drop_path2 = DropPath(drop_path)
 
@@ -368,9 +368,9 @@ class ClassBlock(nn.Module):
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(dim, **factory)
+        self.norm1 = LayerNorm(dim, **factory)
         self.attn = ClassAttention(dim, num_heads, qkv_bias, attn_drop, **factory)
-        self.norm2 = nn.LayerNorm(dim, **factory)
+        self.norm2 = LayerNorm(dim, **factory)
         self.mlp = Mlp(dim, mlp_hidden, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -424,7 +424,7 @@ class VOLO(nn.Module):
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory))
         self.aux_head = nn.Linear(dim, args.num_classes, **factory) if args.use_aux_head else None
-        self.norm = nn.LayerNorm(dim, **factory)
+        self.norm = LayerNorm(dim, **factory)
         self.head_drop = nn.Dropout(args.drop_rate)
         self.head = nn.Linear(dim, args.num_classes, **factory)
         self._layer_ids = self._number_layers()

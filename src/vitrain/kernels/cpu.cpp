@@ -1,0 +1,418 @@
+// Fused CPU kernels for bf16 training (vitrain.kernels builds this file with torch's JIT extension
+// loader on first use, for the host's vector ISA; see vitrain/kernels/__init__.py).
+//
+// LayerNorm: PyTorch's bf16 CPU backward takes about three times as long as one pass over its
+// operands needs, hands its row statistics over in bf16, and sums the weight and bias gradients with
+// bf16 round-off (off by 7-12 % of the largest value over 8320 rows of 192). Here every row is
+// normalized, and every gradient accumulated, in float32, with bf16 only at the edges.
+//
+// Depthwise 3x3 convolution backward (the locality FFNs): see its section below.
+//
+// Layout: activations are bf16; LayerNorm takes contiguous rows of width C (the normalized
+// dimension), row statistics are float32; per-column sums are accumulated per thread in float32 and
+// reduced at the end.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+using BF = c10::BFloat16;
+constexpr int64_t kF = fVec::size();
+
+inline fVec load_bf16(const BF* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                        : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  __m512 out;
+  at::vec::cvtbf16_fp32(raw, out);
+  return fVec(out);
+#else
+  float buf[kF] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return fVec::loadu(buf);
+#endif
+}
+
+// Round to nearest even, as PyTorch's own bf16 conversions do.
+inline void store_bf16(BF* p, const fVec& v, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i raw = at::vec::cvtfp32_bf16(__m512(v));
+  if (n == kF) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), raw);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), raw);
+  }
+#else
+  float buf[kF];
+  v.store(buf);
+  for (int64_t i = 0; i < n; ++i) p[i] = BF(buf[i]);
+#endif
+}
+
+inline fVec load_f32(const float* p, int64_t n) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
+
+inline void store_f32(float* p, const fVec& v, int64_t n) {
+  if (n == kF) {
+    v.store(p);
+  } else {
+    v.store(p, n);
+  }
+}
+
+inline float horizontal_sum(const fVec& v) {
+  float buf[kF];
+  v.store(buf);
+  float sum = 0.f;
+  for (int64_t i = 0; i < kF; ++i) sum += buf[i];
+  return sum;
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
+              " must be a contiguous bf16 CPU tensor, got ", t.scalar_type(), " ", t.device(),
+              t.is_contiguous() ? "" : " (non-contiguous)");
+}
+
+inline fVec load_param(const float* p, int64_t n) { return load_f32(p, n); }
+inline fVec load_param(const BF* p, int64_t n) { return load_bf16(p, n); }
+
+void check_param(const at::Tensor& t, int64_t columns, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == columns &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, " must be a contiguous float32 or bf16 CPU tensor of ", columns, " elements");
+}
+
+// Column sums accumulated per thread in float32 (one block of `columns` per thread and sum), then
+// reduced into `out` (float32 or bf16, rounded once). No ATen ops: nothing for autograd to record.
+struct ColumnSums {
+  int64_t columns, sums, threads;
+  std::vector<float> partial;
+  ColumnSums(int64_t columns, int64_t sums)
+      : columns(columns), sums(sums), threads(at::get_num_threads()), partial(threads * sums * columns, 0.f) {}
+  float* block(int64_t sum) { return partial.data() + (at::get_thread_num() * sums + sum) * columns; }
+  at::Tensor reduce(int64_t sum, at::ScalarType dtype) const {
+    std::vector<float> total(columns, 0.f);
+    for (int64_t t = 0; t < threads; ++t) {
+      const float* p = partial.data() + (t * sums + sum) * columns;
+      for (int64_t c = 0; c < columns; ++c) total[c] += p[c];
+    }
+    auto out = at::empty({columns}, at::TensorOptions().dtype(dtype));
+    if (dtype == at::kFloat) {
+      std::copy(total.begin(), total.end(), out.data_ptr<float>());
+    } else {
+      BF* o = out.data_ptr<BF>();
+      for (int64_t c = 0; c < columns; ++c) o[c] = BF(total[c]);
+    }
+    return out;
+  }
+};
+
+template <typename W>
+void layer_norm_forward_rows(const BF* xp, const W* wp, const W* bp, BF* yp, float* mp, float* rp, int64_t R, int64_t C,
+                             float eps) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  at::parallel_for(0, R, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const BF* row = xp + r * C;
+      fVec acc(0.f);
+      for (int64_t c = 0; c < C; c += kF) acc = acc + load_bf16(row + c, std::min(kF, C - c));
+      const float m = horizontal_sum(acc) * inv_c;
+      const fVec mv(m);
+      fVec sq(0.f);
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c);
+        fVec d = load_bf16(row + c, n) - mv;
+        if (n < kF) d = fVec::set(fVec(0.f), d, n);  // masked lanes load 0 and would add m^2 each
+        sq = sq + d * d;
+      }
+      const float s = 1.0f / std::sqrt(horizontal_sum(sq) * inv_c + eps);
+      mp[r] = m;
+      rp[r] = s;
+      const fVec sv(s);
+      BF* out = yp + r * C;
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c);
+        const fVec xhat = (load_bf16(row + c, n) - mv) * sv;
+        store_bf16(out + c, xhat * load_param(wp + c, n) + load_param(bp + c, n), n);
+      }
+    }
+  });
+}
+
+template <typename W>
+void layer_norm_backward_rows(const BF* gp, const BF* xp, const float* mp, const float* rp, const W* wp, BF* dxp,
+                              ColumnSums& sums, int64_t R, int64_t C) {
+  const float inv_c = 1.0f / static_cast<float>(C);
+  at::parallel_for(0, R, 32, [&](int64_t begin, int64_t end) {
+    float* dw = sums.block(0);
+    float* db = sums.block(1);
+    for (int64_t r = begin; r < end; ++r) {
+      const BF *g = gp + r * C, *row = xp + r * C;
+      const fVec mv(mp[r]), sv(rp[r]);
+      fVec sum_gw(0.f), sum_gw_xhat(0.f);
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c);
+        const fVec gv = load_bf16(g + c, n), xhat = (load_bf16(row + c, n) - mv) * sv;
+        const fVec gw = gv * load_param(wp + c, n);  // masked lanes: g = 0, so gw = 0
+        sum_gw = sum_gw + gw;
+        sum_gw_xhat = sum_gw_xhat + gw * xhat;
+        store_f32(dw + c, load_f32(dw + c, n) + gv * xhat, n);
+        store_f32(db + c, load_f32(db + c, n) + gv, n);
+      }
+      const fVec a(horizontal_sum(sum_gw) * inv_c), b(horizontal_sum(sum_gw_xhat) * inv_c);
+      BF* out = dxp + r * C;
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c);
+        const fVec gv = load_bf16(g + c, n), xhat = (load_bf16(row + c, n) - mv) * sv;
+        store_bf16(out + c, sv * (gv * load_param(wp + c, n) - a - xhat * b), n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// y = (x - mean) * rstd * weight + bias over the last dimension (weight and bias float32 or bf16).
+// Returns y (bf16) and the row mean and 1/sqrt(var + eps) in float32, for the backward.
+std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                           double eps) {
+  check_rows(x, "layer_norm_forward: x");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_param(weight, C, "layer_norm_forward: weight");
+  check_param(bias, C, "layer_norm_forward: bias");
+  TORCH_CHECK(weight.scalar_type() == bias.scalar_type(), "layer_norm_forward: weight and bias differ in dtype");
+  auto y = at::empty_like(x);
+  auto stats_shape = x.sizes().vec();
+  stats_shape.back() = 1;
+  auto mean = at::empty(stats_shape, x.options().dtype(at::kFloat));
+  auto rstd = at::empty(stats_shape, x.options().dtype(at::kFloat));
+  const BF* xp = x.data_ptr<BF>();
+  BF* yp = y.data_ptr<BF>();
+  float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  if (weight.scalar_type() == at::kFloat) {
+    layer_norm_forward_rows(xp, weight.data_ptr<float>(), bias.data_ptr<float>(), yp, mp, rp, R, C, eps);
+  } else {
+    layer_norm_forward_rows(xp, weight.data_ptr<BF>(), bias.data_ptr<BF>(), yp, mp, rp, R, C, eps);
+  }
+  return {y, mean, rstd};
+}
+
+// Gradients of layer_norm_forward: dx (bf16) and the weight and bias gradients (weight's dtype),
+// the latter summed in float32.
+std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
+                                            const at::Tensor& rstd, const at::Tensor& weight) {
+  check_rows(grad_out, "layer_norm_backward: grad_out");
+  check_rows(x, "layer_norm_backward: x");
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), "layer_norm_backward: grad_out and x differ in shape");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_param(weight, C, "layer_norm_backward: weight");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
+                  rstd.is_contiguous() && mean.numel() == R && rstd.numel() == R,
+              "layer_norm_backward: mean and rstd must be contiguous float32 with one value per row "
+              "(as layer_norm_forward returns them)");
+  auto dx = at::empty_like(x);
+  ColumnSums sums(C, 2);
+  const BF *gp = grad_out.data_ptr<BF>(), *xp = x.data_ptr<BF>();
+  const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  if (weight.scalar_type() == at::kFloat) {
+    layer_norm_backward_rows(gp, xp, mp, rp, weight.data_ptr<float>(), dx.data_ptr<BF>(), sums, R, C);
+  } else {
+    layer_norm_backward_rows(gp, xp, mp, rp, weight.data_ptr<BF>(), dx.data_ptr<BF>(), sums, R, C);
+  }
+  return {dx, sums.reduce(0, weight.scalar_type()), sums.reduce(1, weight.scalar_type())};
+}
+
+// ---- Depthwise 3x3 convolution, stride 1, zero padding 1, on channels-last bf16 images ------------
+//
+// oneDNN's bf16 depthwise convolution took 19.8 ms per backward and 4.5 ms per forward for a
+// (32, 1536, 14, 14) image in a locality ViT-S step (the forward on a view that skips the CLS rows).
+// Here one work item is one image and 32 channels (64 bytes of bf16 per pixel, one cache line): its
+// input (and, backward, its gradient) is converted once into a zero-bordered float32 tile,
+// (H + 2) x (W + 2) x 32, that stays in L1/L2 while the nine taps sweep it without bounds checks; the
+// weight and bias gradients of those channels accumulate in registers, and the input gradient is
+// gathered (no scatter, so items never write the same element).
+
+namespace {
+
+constexpr int64_t kDwChunk = 2 * kF;  // channels per work item (32 with AVX-512)
+
+struct Image {  // a (B, C, H, W) tensor with channels-last strides inside each image
+  const BF* data;
+  int64_t batch_stride, H, W, C;
+  const BF* at(int64_t b, int64_t h, int64_t w) const { return data + b * batch_stride + (h * W + w) * C; }
+};
+
+Image channels_last_image(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name,
+              " must be a 4-d bf16 CPU tensor");
+  const int64_t C = t.size(1), H = t.size(2), W = t.size(3);
+  TORCH_CHECK(t.stride(1) == 1 && (W == 1 || t.stride(3) == C) && (H == 1 || t.stride(2) == W * C), name,
+              " must be channels_last within each image (strides (*, 1, W*C, C)); got ", t.strides());
+  return {t.data_ptr<BF>(), t.stride(0), H, W, C};
+}
+
+// weight (C, 1, 3, 3) as float, tap-major: taps[k * C + c] with k = 3 * (dh + 1) + (dw + 1)
+std::vector<float> taps_of(const at::Tensor& weight, int64_t C) {
+  TORCH_CHECK(weight.numel() == 9 * C && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "depthwise_conv3x3: weight must be a contiguous (", C, ", 1, 3, 3) float32 or bf16 tensor");
+  auto w = weight.to(at::kFloat).reshape({C, 9});
+  std::vector<float> taps(9 * C);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t k = 0; k < 9; ++k) taps[k * C + c] = wp[c * 9 + k];
+  return taps;
+}
+
+// A work item: image b, channels [c, c + n) in whole chunks of kDwChunk, as float32 in a zero-bordered
+// tile of (H + 2) x (W + 2) pixels of `width` floats (lanes past n are zero). The pixels are read in
+// order, `n` contiguous bf16 each: whole cache lines the hardware prefetcher follows (a tile per
+// 32-channel chunk read one line per pixel, 3 KiB apart, and stalled on every load).
+struct Tile {
+  int64_t H, W, width;
+  std::vector<float> data;
+  float* pixel(int64_t h, int64_t w) { return data.data() + ((h + 1) * (W + 2) + (w + 1)) * width; }
+  void fill(const Image& img, int64_t b, int64_t c, int64_t n) {
+    H = img.H;
+    W = img.W;
+    width = (n + kDwChunk - 1) / kDwChunk * kDwChunk;
+    data.assign((H + 2) * (W + 2) * width, 0.f);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t w = 0; w < W; ++w) {
+        const BF* src = img.at(b, h, w) + c;
+        float* dst = pixel(h, w);
+        for (int64_t j = 0; j < n; j += kF) load_bf16(src + j, std::min(kF, n - j)).store(dst + j);
+      }
+    }
+  }
+};
+
+// Items of up to ~256 KiB of tile: 8 chunks (256 channels) at 14 x 14.
+int64_t channels_per_item(int64_t H, int64_t W, int64_t C) {
+  const int64_t chunk_bytes = (H + 2) * (W + 2) * kDwChunk * static_cast<int64_t>(sizeof(float));
+  const int64_t chunks = std::max<int64_t>(1, (256 << 10) / chunk_bytes);
+  return std::min(C, chunks * kDwChunk);
+}
+
+// out(b, h, w, c..c+n) = bias + sum over taps k of weight(k) * tile(h + dh, w + dw); flip mirrors the
+// taps (the transposed convolution: the input gradient from the output gradient's tile).
+void convolve_tile(Tile& tile, const float* taps, const float* bias, int64_t C, int64_t c, int64_t n, bool flip,
+                   BF* out_image) {
+  const int64_t H = tile.H, W = tile.W, row = (W + 2) * tile.width;
+  int64_t offsets[9];
+  for (int64_t k = 0; k < 9; ++k) offsets[k] = (k / 3 - 1) * row + (k % 3 - 1) * tile.width;
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t w = 0; w < W; ++w) {
+      const float* centre = tile.pixel(h, w);
+      BF* dst = out_image + (h * W + w) * C + c;
+      for (int64_t j = 0; j < n; j += kF) {
+        const int64_t m = std::min(kF, n - j);
+        fVec acc = bias ? load_f32(bias + c + j, m) : fVec(0.f);
+        for (int64_t k = 0; k < 9; ++k) {
+          acc = fmadd(fVec::loadu(centre + offsets[k] + j), load_f32(taps + (flip ? 8 - k : k) * C + c + j, m), acc);
+        }
+        store_bf16(dst + j, acc, m);
+      }
+    }
+  }
+}
+
+at::Tensor empty_channels_last(int64_t B, int64_t C, int64_t H, int64_t W) {
+  return at::empty({B, C, H, W}, at::TensorOptions().dtype(at::kBFloat16).memory_format(at::MemoryFormat::ChannelsLast));
+}
+
+}  // namespace
+
+// Depthwise 3x3 convolution (groups = channels, stride 1, padding 1): x (B, C, H, W) bf16, channels-last
+// within each image (the batch stride is free: a view that skips CLS rows works); weight (C, 1, 3, 3)
+// and optional bias (C) float32 or bf16. Returns a channels_last bf16 image.
+at::Tensor depthwise_conv3x3_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const Image in = channels_last_image(x, "depthwise_conv3x3_forward: x");
+  const int64_t B = x.size(0), C = in.C, H = in.H, W = in.W;
+  const std::vector<float> taps = taps_of(weight, C);
+  std::vector<float> bias_f;
+  if (bias.has_value()) {
+    check_param(*bias, C, "depthwise_conv3x3_forward: bias");
+    auto bf = bias->to(at::kFloat);
+    bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + C);
+  }
+  auto y = empty_channels_last(B, C, H, W);
+  BF* yp = y.data_ptr<BF>();
+  const int64_t per_item = channels_per_item(H, W, C), groups = (C + per_item - 1) / per_item;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    Tile tile;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / groups, c = (item % groups) * per_item, n = std::min(per_item, C - c);
+      tile.fill(in, b, c, n);
+      convolve_tile(tile, taps.data(), bias_f.empty() ? nullptr : bias_f.data(), C, c, n, false, yp + b * H * W * C);
+    }
+  });
+  return y;
+}
+
+// Gradients of depthwise_conv3x3_forward: dx (channels_last bf16; undefined unless need_input_grad),
+// dweight ((C, 1, 3, 3), weight's dtype) and dbias (weight's dtype; undefined unless has_bias), the
+// latter two summed in float32.
+std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                                   const at::Tensor& weight, bool has_bias, bool need_input_grad) {
+  const Image in = channels_last_image(x, "depthwise_conv3x3_backward: x");
+  const Image g = channels_last_image(grad_out, "depthwise_conv3x3_backward: grad_out");
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), "depthwise_conv3x3_backward: grad_out and x differ in shape");
+  const int64_t B = x.size(0), C = in.C, H = in.H, W = in.W;
+  const std::vector<float> taps = taps_of(weight, C);
+  at::Tensor dx = need_input_grad ? empty_channels_last(B, C, H, W) : at::Tensor();
+  BF* dxp = need_input_grad ? dx.data_ptr<BF>() : nullptr;
+  ColumnSums sums(C, 10);  // nine taps, then the bias
+  const int64_t per_item = channels_per_item(H, W, C), groups = (C + per_item - 1) / per_item;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    Tile x_tile, g_tile;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / groups, c0 = (item % groups) * per_item, n_item = std::min(per_item, C - c0);
+      g_tile.fill(g, b, c0, n_item);
+      if (need_input_grad) convolve_tile(g_tile, taps.data(), nullptr, C, c0, n_item, true, dxp + b * H * W * C);
+      x_tile.fill(in, b, c0, n_item);
+      const int64_t row = (W + 2) * x_tile.width;
+      for (int64_t j = 0; j < n_item; j += kF) {  // one vector of channels at a time, sums in registers
+        const int64_t m = std::min(kF, n_item - j);
+        fVec dw[9], db(0.f);
+        for (int64_t k = 0; k < 9; ++k) dw[k] = fVec(0.f);
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t w = 0; w < W; ++w) {
+            const fVec gv = fVec::loadu(g_tile.pixel(h, w) + j);
+            const float* centre = x_tile.pixel(h, w) + j;
+            db = db + gv;
+            for (int64_t k = 0; k < 9; ++k) {  // the zero border stands in for the padding
+              dw[k] = fmadd(gv, fVec::loadu(centre + (k / 3 - 1) * row + (k % 3 - 1) * x_tile.width), dw[k]);
+            }
+          }
+        }
+        for (int64_t k = 0; k <= 9; ++k) {
+          float* acc = sums.block(k) + c0 + j;
+          store_f32(acc, load_f32(acc, m) + (k < 9 ? dw[k] : db), m);
+        }
+      }
+    }
+  });
+  auto dweight = at::empty({C, 1, 3, 3}, at::TensorOptions().dtype(at::kFloat));
+  float* dwp = dweight.data_ptr<float>();
+  for (int64_t k = 0; k < 9; ++k) {  // tap-major sums back to the weight's (C, 1, 3, 3) layout
+    const at::Tensor tap = sums.reduce(k, at::kFloat);
+    const float* tp = tap.data_ptr<float>();
+    for (int64_t c = 0; c < C; ++c) dwp[c * 9 + k] = tp[c];
+  }
+  return {dx, dweight.to(weight.scalar_type()), has_bias ? sums.reduce(9, weight.scalar_type()) : at::Tensor()};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
+  m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
+  m.def("depthwise_conv3x3_forward", &depthwise_conv3x3_forward, "depthwise 3x3 convolution, channels-last bf16");
+  m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
+}
