@@ -171,7 +171,8 @@ class _DepthwiseConv3x3(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+        if not _channels_last_within_images(grad_out):  # the batch stride is free (the kernel takes views)
+            grad_out = grad_out.contiguous(memory_format=torch.channels_last)
         dx, dweight, dbias = _module.depthwise_conv3x3_backward(
             grad_out, x, weight, ctx.has_bias, ctx.needs_input_grad[0]
         )

@@ -1,0 +1,62 @@
+"""Training-step time with PyTorch's ops against the fused CPU kernels, alternating in one process.
+
+    python bench/cpu_kernels_ab.py --model locality_vit_small_patch16 --image-size 224 --batch 32 \
+        --rounds 4 --steps 2 --set model.attn_impl=matmul
+
+One O2 bf16 training step is built as ``vitrain bench`` builds it; then, for ``--rounds`` rounds,
+``--steps`` steps are timed with ``train.cpu_kernels=native`` and as many with ``auto`` (one untimed
+step after each switch). Alternating within one process cancels the drift of a shared host's speed,
+which between separate processes was as large as the effect (±5 %). Prints ms per step per round and
+the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from vitrain import kernels
+from vitrain.bench import BenchSettings, bench_overrides
+from vitrain.bench.throughput import synthetic_batch
+from vitrain.cli import make_plan
+from vitrain.config import Config, build_config
+from vitrain.train.loop import build_training_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--image-size", type=int, required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    settings = BenchSettings(steps=args.steps, warmup=1, repeats=args.rounds)
+    overrides = bench_overrides(args.model, args.image_size, args.batch, "bf16", "o2", settings)
+    plan = make_plan(build_config(Config(), [], overrides + args.overrides))
+    step = build_training_step(plan)
+    step.model.train()
+    images, labels = synthetic_batch(plan)
+    if kernels.load() is None:
+        raise SystemExit("the fused CPU kernels could not be built here; nothing to compare")
+    times: dict[str, list[float]] = {"native": [], "auto": []}
+    for _ in range(args.rounds):
+        for mode, samples in times.items():
+            kernels.set_mode(mode)
+            step(images, labels)[0].item()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(images, labels)[0].item()
+            samples.append((time.perf_counter() - start) * 1e3 / args.steps)
+    for mode, samples in times.items():
+        median = statistics.median(samples)
+        rounds = ", ".join(f"{sample:.0f}" for sample in samples)
+        print(f"{mode:7s} {median:8.1f} ms/step median ({rounds}); {args.batch / median * 1e3:.1f} img/s")
+    print(f"auto / native img/s: {statistics.median(times['native']) / statistics.median(times['auto']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
