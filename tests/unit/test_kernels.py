@@ -96,6 +96,8 @@ def test_native_path_where_the_kernels_do_not_apply(built):
         out, expected = (f(bf16, (32,), weight, bias, 1e-6) for f in (kernels.layer_norm, F.layer_norm))
     assert out.grad_fn.name() == "NativeLayerNormBackward0" and torch.equal(out, expected)
     assert kernels.layer_norm(bf16, (32,), None, None, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
+    empty = torch.empty(0, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert kernels.layer_norm(empty, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
     kernels.set_mode("native")
     assert kernels.layer_norm(bf16, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
 

@@ -109,10 +109,10 @@ def load() -> ModuleType | None:
 
 
 def _applies(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """The fused path: enabled, eager, a plain bf16 CPU tensor, outside autocast."""
+    """The fused path: enabled, eager, a plain non-empty bf16 CPU tensor, outside autocast."""
     if _mode == "native" or x.dtype != torch.bfloat16 or x.device.type != "cpu" or type(x) is not torch.Tensor:
         return False
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    if x.numel() == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
         return False
     for param in params:  # DTensor parameters (FSDP, TP) take the native ops
         if param is None or param.dtype not in (torch.bfloat16, torch.float32):
