@@ -87,10 +87,6 @@ def set_mode(mode: Mode) -> None:
         )
 
 
-def mode() -> Mode:
-    return _mode
-
-
 def load() -> ModuleType | None:
     """The compiled extension (built on the first call), or None when it cannot be built."""
     global _module, _failure
