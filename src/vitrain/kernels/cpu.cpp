@@ -231,17 +231,17 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_out, const at
 
 // ---- Depthwise 3x3 convolution, stride 1, zero padding 1, on channels-last bf16 images ------------
 //
-// oneDNN's bf16 depthwise convolution took 19.8 ms per backward and 4.5 ms per forward for a
-// (32, 1536, 14, 14) image in a locality ViT-S step (the forward on a view that skips the CLS rows).
-// Here one work item is one image and 32 channels (64 bytes of bf16 per pixel, one cache line): its
-// input (and, backward, its gradient) is converted once into a zero-bordered float32 tile,
-// (H + 2) x (W + 2) x 32, that stays in L1/L2 while the nine taps sweep it without bounds checks; the
-// weight and bias gradients of those channels accumulate in registers, and the input gradient is
-// gathered (no scatter, so items never write the same element).
+// oneDNN's bf16 depthwise backward took 19.8 ms a call for a (32, 1536, 14, 14) image in a locality
+// ViT-S step, 4.4 times its forward (which stays oneDNN's: ours was slower). Here one work item is one
+// image and up to 256 channels: its output gradient and its input are converted once into
+// zero-bordered float32 tiles, (H + 2) x (W + 2) x channels, that stay in L2 while the nine taps sweep
+// them without bounds checks; the weight and bias gradients accumulate in registers, one vector of
+// channels at a time, and the input gradient is gathered (no scatter, so items never write the same
+// element).
 
 namespace {
 
-constexpr int64_t kDwChunk = 2 * kF;  // channels per work item (32 with AVX-512)
+constexpr int64_t kDwChunk = 2 * kF;  // tiles hold whole chunks of channels (32 with AVX-512)
 
 struct Image {  // a (B, C, H, W) tensor with channels-last strides inside each image
   const BF* data;
@@ -301,22 +301,21 @@ int64_t channels_per_item(int64_t H, int64_t W, int64_t C) {
   return std::min(C, chunks * kDwChunk);
 }
 
-// out(b, h, w, c..c+n) = bias + sum over taps k of weight(k) * tile(h + dh, w + dw); flip mirrors the
-// taps (the transposed convolution: the input gradient from the output gradient's tile).
-void convolve_tile(Tile& tile, const float* taps, const float* bias, int64_t C, int64_t c, int64_t n, bool flip,
-                   BF* out_image) {
-  const int64_t H = tile.H, W = tile.W, row = (W + 2) * tile.width;
+// The input gradient of image b, channels [c, c + n), from the output gradient's tile: the
+// transposed convolution, dx(h, w) = sum over taps k of weight(8 - k) * grad(h + dh, w + dw).
+void input_gradient(Tile& grad_tile, const float* taps, int64_t C, int64_t c, int64_t n, BF* dx_image) {
+  const int64_t H = grad_tile.H, W = grad_tile.W, row = (W + 2) * grad_tile.width;
   int64_t offsets[9];
-  for (int64_t k = 0; k < 9; ++k) offsets[k] = (k / 3 - 1) * row + (k % 3 - 1) * tile.width;
+  for (int64_t k = 0; k < 9; ++k) offsets[k] = (k / 3 - 1) * row + (k % 3 - 1) * grad_tile.width;
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t w = 0; w < W; ++w) {
-      const float* centre = tile.pixel(h, w);
-      BF* dst = out_image + (h * W + w) * C + c;
+      const float* centre = grad_tile.pixel(h, w);
+      BF* dst = dx_image + (h * W + w) * C + c;
       for (int64_t j = 0; j < n; j += kF) {
         const int64_t m = std::min(kF, n - j);
-        fVec acc = bias ? load_f32(bias + c + j, m) : fVec(0.f);
+        fVec acc(0.f);
         for (int64_t k = 0; k < 9; ++k) {
-          acc = fmadd(fVec::loadu(centre + offsets[k] + j), load_f32(taps + (flip ? 8 - k : k) * C + c + j, m), acc);
+          acc = fmadd(fVec::loadu(centre + offsets[k] + j), load_f32(taps + (8 - k) * C + c + j, m), acc);
         }
         store_bf16(dst + j, acc, m);
       }
@@ -330,34 +329,10 @@ at::Tensor empty_channels_last(int64_t B, int64_t C, int64_t H, int64_t W) {
 
 }  // namespace
 
-// Depthwise 3x3 convolution (groups = channels, stride 1, padding 1): x (B, C, H, W) bf16, channels-last
-// within each image (the batch stride is free: a view that skips CLS rows works); weight (C, 1, 3, 3)
-// and optional bias (C) float32 or bf16. Returns a channels_last bf16 image.
-at::Tensor depthwise_conv3x3_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const Image in = channels_last_image(x, "depthwise_conv3x3_forward: x");
-  const int64_t B = x.size(0), C = in.C, H = in.H, W = in.W;
-  const std::vector<float> taps = taps_of(weight, C);
-  std::vector<float> bias_f;
-  if (bias.has_value()) {
-    check_param(*bias, C, "depthwise_conv3x3_forward: bias");
-    auto bf = bias->to(at::kFloat);
-    bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + C);
-  }
-  auto y = empty_channels_last(B, C, H, W);
-  BF* yp = y.data_ptr<BF>();
-  const int64_t per_item = channels_per_item(H, W, C), groups = (C + per_item - 1) / per_item;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    Tile tile;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / groups, c = (item % groups) * per_item, n = std::min(per_item, C - c);
-      tile.fill(in, b, c, n);
-      convolve_tile(tile, taps.data(), bias_f.empty() ? nullptr : bias_f.data(), C, c, n, false, yp + b * H * W * C);
-    }
-  });
-  return y;
-}
-
-// Gradients of depthwise_conv3x3_forward: dx (channels_last bf16; undefined unless need_input_grad),
+// Gradients of a depthwise 3x3 convolution (groups = channels, stride 1, zero padding 1; the forward
+// is oneDNN's): x and grad_out (B, C, H, W) bf16, channels-last within each image (the batch stride is
+// free: a view that skips CLS rows works), weight (C, 1, 3, 3) float32 or bf16. Returns
+// dx (channels_last bf16; undefined unless need_input_grad),
 // dweight ((C, 1, 3, 3), weight's dtype) and dbias (weight's dtype; undefined unless has_bias), the
 // latter two summed in float32.
 std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, const at::Tensor& x,
@@ -376,7 +351,7 @@ std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / groups, c0 = (item % groups) * per_item, n_item = std::min(per_item, C - c0);
       g_tile.fill(g, b, c0, n_item);
-      if (need_input_grad) convolve_tile(g_tile, taps.data(), nullptr, C, c0, n_item, true, dxp + b * H * W * C);
+      if (need_input_grad) input_gradient(g_tile, taps.data(), C, c0, n_item, dxp + b * H * W * C);
       x_tile.fill(in, b, c0, n_item);
       const int64_t row = (W + 2) * x_tile.width;
       for (int64_t j = 0; j < n_item; j += kF) {  // one vector of channels at a time, sums in registers
@@ -413,6 +388,5 @@ std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
-  m.def("depthwise_conv3x3_forward", &depthwise_conv3x3_forward, "depthwise 3x3 convolution, channels-last bf16");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
 }
