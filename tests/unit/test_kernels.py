@@ -1,4 +1,4 @@
-"""The fused CPU LayerNorm (vitrain.kernels): numerics against float64, where it applies, fallbacks."""
+"""The fused CPU kernels (vitrain.kernels): numerics against float64, where they apply, fallbacks."""
 
 from __future__ import annotations
 
@@ -192,3 +192,59 @@ def test_depthwise_conv3x3_leaves_other_convolutions_to_pytorch(built):
     nchw = x.detach().contiguous().requires_grad_()  # channels-first memory: PyTorch's path
     assert kernels.depthwise_conv3x3(nchw, depthwise).grad_fn.name() == "ConvolutionBackward0"
     assert kernels.depthwise_conv3x3(x, depthwise).grad_fn.name().endswith("_DepthwiseConv3x3Backward")
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(8320, 576), (37, 70), (64, 32), (1, 5)])
+def test_transpose_rows_is_an_exact_feature_major_copy_with_float32_column_sums(built, rows, columns):
+    """The copy is bit-exact whatever the block remainders (32 x 32 blocks, 256-row items); the column
+    sums (the bias gradient) are float32 sums of the bf16 values."""
+    torch.manual_seed(0)
+    g = torch.randn(rows, columns).to(torch.bfloat16)
+    copied, sums = built.transpose_rows(g, True)
+    assert copied.is_contiguous() and torch.equal(copied, g.t())
+    assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), g.double().sum(0), rtol=1e-5, atol=1e-5 * rows**0.5)
+    assert built.transpose_rows(g, False)[1] is None
+
+
+def _linear_grads(function, x, weight, bias, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, *(() if bias is None else (bias,)))]
+    y = function(leaves[0], leaves[1], leaves[2] if bias is not None else None)
+    return (y, *torch.autograd.grad(y, leaves, grad_out))
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(48, 192), (192, 48), (33, 100), (100, 33)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_weight_gradient_from_feature_major_operands_matches_float64(built, in_features, out_features, bias):
+    """Expanding and reducing layers take ``_Linear``: output, input, weight and bias gradients within
+    bf16 rounding of a float64 ``F.linear``, on a non-contiguous input (a view that skips a CLS row,
+    as the locality FFN hands it over) and widths that are not multiples of the 32 x 32 blocks."""
+    torch.manual_seed(0)
+    tokens = torch.randn(3, 1 + 45, in_features).to(torch.bfloat16)
+    x = tokens[:, 1:]
+    assert not x.is_contiguous()
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16)
+    bias_tensor = torch.randn(out_features).to(torch.bfloat16) if bias else None
+    grad_out = torch.randn(3, 45, out_features).to(torch.bfloat16)
+    fused = _linear_grads(kernels.linear, x, weight, bias_tensor, grad_out)
+    assert fused[0].grad_fn.name().endswith("_LinearBackward")
+    native = _linear_grads(F.linear, x, weight, bias_tensor, grad_out)
+    assert torch.equal(fused[0], native[0])  # the forward is PyTorch's
+    assert torch.equal(fused[1], native[1])  # and so is the input gradient's product
+    doubles = [x.double(), weight.double(), None if bias_tensor is None else bias_tensor.double()]
+    reference = _linear_grads(F.linear, *doubles, grad_out.double())
+    assert [t.dtype for t in fused] == [torch.bfloat16] * len(fused)
+    assert max(_relative_errors(fused, reference)) < 2**-7
+
+
+def test_linear_leaves_square_layers_float32_and_mixed_dtypes_to_pytorch(built):
+    x = torch.randn(4, 10, 64).to(torch.bfloat16).requires_grad_()
+    square = torch.randn(64, 64).to(torch.bfloat16)
+    wide = torch.randn(256, 64).to(torch.bfloat16)
+    assert kernels.linear(x, square, None).grad_fn.name() == "UnsafeViewBackward0"  # within 2x of square
+    assert kernels.linear(x.float(), wide.float(), None).grad_fn.name() != "_LinearBackward"
+    transposed_storage = wide.t().contiguous().t()
+    assert not kernels.linear(x, transposed_storage, None).grad_fn.name().endswith("_LinearBackward")
+    assert kernels.linear(x, wide, None).grad_fn.name().endswith("_LinearBackward")
+    kernels.set_mode("native")
+    assert not kernels.linear(x, wide, None).grad_fn.name().endswith("_LinearBackward")

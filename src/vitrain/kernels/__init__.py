@@ -1,4 +1,5 @@
-"""Fused CPU kernels for bf16 training: LayerNorm, and the backward of depthwise 3x3 convolutions.
+"""Fused CPU kernels for bf16 training: LayerNorm, the backward of depthwise 3x3 convolutions, and
+the weight gradients of linear layers.
 
 The kernels (``cpu.cpp`` beside this file) are compiled on first use by torch's JIT extension
 loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain
@@ -193,3 +194,55 @@ def depthwise_conv3x3(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     ):
         return _DepthwiseConv3x3.apply(x, conv.weight, conv.bias)
     return conv(x)
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear``'s forward; a backward whose weight gradient multiplies contiguous operands.
+
+    The weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it at about half
+    speed when an operand is a transposed view (6.8 against 3.5 ms for 6304 tokens, 1536 -> 384).
+    The narrower of the two operands is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x
+    384, against 2.3 for PyTorch's copy): with ``g`` narrower (a layer that reduces, fc2) the product
+    is ``gT @ x`` and the copy sums the bias gradient on the way; with ``x`` narrower (one that
+    expands, qkv and fc1) it is ``xT @ g``, whose small (in, out) result is copied back to the
+    weight's layout. Layers within a factor 2 of square keep PyTorch's backward (the copy costs what
+    the product gains; measured in docs/benchmarks.md, "Linear weight gradients").
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expands: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.expands = bias is not None, expands
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        if ctx.expands:
+            x_t, _ = _module.transpose_rows(rows.contiguous(), False)
+            dweight, _ = _module.transpose_rows(x_t @ g, False)
+            dbias = g.sum(0) if ctx.has_bias else None
+        else:
+            g_t, sums = _module.transpose_rows(g, ctx.has_bias)
+            dweight = g_t @ rows
+            dbias = sums.to(weight.dtype) if ctx.has_bias else None
+        return dx, dweight, dbias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, its weight gradient from feature-major operands where the kernels apply and the
+    layer expands or reduces by at least 2 (``_Linear``)."""
+    out_features, in_features = weight.shape
+    expands, reduces = out_features >= 2 * in_features, 2 * out_features <= in_features
+    if (
+        (expands or reduces)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and weight.is_contiguous()
+        and _applies(x, weight, *(() if bias is None else (bias,)))
+    ):
+        return _Linear.apply(x, weight, bias, expands)
+    return torch.nn.functional.linear(x, weight, bias)

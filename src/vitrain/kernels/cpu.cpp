@@ -385,8 +385,52 @@ std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, c
   return {dx, dweight.to(weight.scalar_type()), has_bias ? sums.reduce(9, weight.scalar_type()) : at::Tensor()};
 }
 
+// ---- Feature-major copies for weight gradients ---------------------------------------------------
+//
+// A linear layer's weight gradient is g^T x over all tokens. oneDNN's AMX matmul runs that product
+// at about half speed when its left operand is a transposed view (6.8 against 3.5 ms for 6304 tokens,
+// 384 x 1536), and PyTorch's transposing copy is slower still for wide rows (2.2 ns an element). This
+// copies g (M rows of N) into its feature-major (N, M) layout in 32 x 32 blocks (one cache line of
+// each output row per block), and sums its columns (the bias gradient) in float32 on the way.
+
+// g (M, N) bf16 contiguous -> (gT (N, M) bf16 contiguous, column sums of g (N) float32, undefined
+// unless column_sums).
+std::vector<at::Tensor> transpose_rows(const at::Tensor& g, bool column_sums) {
+  check_rows(g, "transpose_rows: g");
+  TORCH_CHECK(g.dim() == 2, "transpose_rows: g must be 2-d, got ", g.dim(), " dimensions");
+  const int64_t M = g.size(0), N = g.size(1);
+  auto out = at::empty({N, M}, g.options());
+  constexpr int64_t kBlock = 32, kRows = 256;  // 32 x 32 transposes; 512 contiguous bytes per output row
+  ColumnSums sums(column_sums ? N : 0, 1);
+  const BF* src = g.data_ptr<BF>();
+  BF* dst = out.data_ptr<BF>();
+  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+    float* acc = column_sums ? sums.block(0) : nullptr;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first = item * kRows, last = std::min(M, first + kRows);
+      for (int64_t c0 = 0; c0 < N; c0 += kBlock) {
+        const int cols = static_cast<int>(std::min(kBlock, N - c0));
+        for (int64_t r0 = first; r0 < last; r0 += kBlock) {
+          const int rows = static_cast<int>(std::min(kBlock, last - r0));
+          at::vec::transpose_mxn<BF>(src + r0 * N + c0, N, dst + c0 * M + r0, M, rows, cols);
+        }
+      }
+      if (acc == nullptr) continue;
+      for (int64_t r = first; r < last; ++r) {
+        const BF* row = src + r * N;
+        for (int64_t c = 0; c < N; c += kF) {
+          const int64_t n = std::min(kF, N - c);
+          store_f32(acc + c, load_f32(acc + c, n) + load_bf16(row + c, n), n);
+        }
+      }
+    }
+  });
+  return {out, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
+  m.def("transpose_rows", &transpose_rows, "feature-major copy of a bf16 matrix and its column sums");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
 }

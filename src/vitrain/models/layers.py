@@ -28,6 +28,14 @@ class LayerNorm(nn.LayerNorm):
         return kernels.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose bf16 CPU backward takes the weight gradient from feature-major operands
+    (:func:`vitrain.kernels.linear`; ``train.cpu_kernels``). Same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 def tokens_as_image(tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
     """View ``(B, H*W, C)`` patch tokens as a ``(B, C, H, W)`` image without copying.
 
@@ -227,9 +235,9 @@ class Attention(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
         self.impl, self.softmax_fp32 = impl, softmax_fp32
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.proj = Linear(dim, dim, device=device, dtype=dtype)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,10 +273,10 @@ class Mlp(nn.Module):
 
     def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.fc1 = Linear(dim, hidden, device=device, dtype=dtype)
         self.act = nn.GELU()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
+        self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -286,11 +294,11 @@ class LocalityMlp(nn.Module):
     def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
         super().__init__()
         self.num_prefix_tokens = num_prefix_tokens
-        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.fc1 = Linear(dim, hidden, device=device, dtype=dtype)
         self.conv = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, device=device, dtype=dtype)
         self.act = nn.Hardswish()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
+        self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:

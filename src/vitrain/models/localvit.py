@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vitrain import kernels
@@ -93,15 +92,15 @@ class LocalViTMlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (F.linear on the
+        # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (kernels.linear on the
         # conv weights), and the depthwise conv and the BatchNorms see channels_last views of the
         # same memory; no NCHW copy is made. Same numbers as the official NCHW code (tested).
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
-        hidden = F.linear(patches, self.expand.weight.flatten(1))
+        hidden = kernels.linear(patches, self.expand.weight.flatten(1), None)
         image = self.act(self.expand_norm(tokens_as_image(hidden, grid)))
         image = self.act(self.depthwise_norm(kernels.depthwise_conv3x3(image, self.depthwise)))
         hidden = image_as_tokens(self.drop1(self.se(image)))
-        patches = tokens_as_image(F.linear(hidden, self.reduce.weight.flatten(1)), grid)
+        patches = tokens_as_image(kernels.linear(hidden, self.reduce.weight.flatten(1), None), grid)
         patches = self.drop2(image_as_tokens(self.reduce_norm(patches)))
         return torch.cat([torch.zeros_like(prefix), patches], dim=1) if self.num_prefix_tokens else patches
 

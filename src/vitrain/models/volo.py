@@ -29,7 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain.models.layers import Attention, DropPath, Grid, LayerNorm, Mlp, resample_pos_embed, split_prefix
+from vitrain.models.layers import (
+    Attention,
+    DropPath,
+    Grid,
+    LayerNorm,
+    Linear,
+    Mlp,
+    resample_pos_embed,
+    split_prefix,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,10 +287,10 @@ class OutlookAttention(nn.Module):
         self.kernel_size = kernel_size
         self.stride = stride
         self.scale = (dim // num_heads) ** -0.5
-        self.v = nn.Linear(dim, dim, bias=qkv_bias, **factory)
-        self.attn = nn.Linear(dim, kernel_size**4 * num_heads, **factory)
+        self.v = Linear(dim, dim, bias=qkv_bias, **factory)
+        self.attn = Linear(dim, kernel_size**4 * num_heads, **factory)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim, **factory)
+        self.proj = Linear(dim, dim, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, height, width, dim = x.shape
@@ -318,9 +327,9 @@ class ClassAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.attn_drop = attn_drop
-        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias, device=device, dtype=dtype)
-        self.q = nn.Linear(dim, dim, bias=qkv_bias, device=device, dtype=dtype)
-        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.kv = Linear(dim, dim * 2, bias=qkv_bias, device=device, dtype=dtype)
+        self.q = Linear(dim, dim, bias=qkv_bias, device=device, dtype=dtype)
+        self.proj = Linear(dim, dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
