@@ -248,3 +248,38 @@ def test_linear_leaves_square_layers_float32_and_mixed_dtypes_to_pytorch(built):
     assert kernels.linear(x, wide, None).grad_fn.name().endswith("_LinearBackward")
     kernels.set_mode("native")
     assert not kernels.linear(x, wide, None).grad_fn.name().endswith("_LinearBackward")
+
+
+def test_gelu_tables_are_exact_for_every_bf16_value(built):
+    """All 65536 bf16 inputs at once: the forward and the derivative (backward with a unit gradient)
+    within one bf16 rounding of a float64 GELU written with erfc (PyTorch's float64 ``gelu`` cancels
+    in ``1 + erf`` below about -8); NaN stays NaN and the infinities take GELU's limits."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = torch.isfinite(x)
+    xd = x.double()
+    cdf = 0.5 * torch.special.erfc(-xd / 2**0.5)
+    value, derivative = xd * cdf, cdf + xd * torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
+    x_leaf = x.clone().requires_grad_()
+    y = kernels.gelu(x_leaf)
+    (dy,) = torch.autograd.grad(y, x_leaf, torch.ones_like(y))
+    assert y.grad_fn.name().endswith("_GeluBackward")
+    for got, want in ((y, value), (dy, derivative)):  # half a bf16 ulp is at most 2^-8 of the value
+        assert ((got[finite].double() - want[finite]).abs() <= want[finite].abs() * 2**-8 + 1e-40).all()
+    assert torch.isnan(y[torch.isnan(x)]).all() and torch.isnan(dy[torch.isnan(x)]).all()
+    infinities = torch.tensor([float("inf"), -float("inf")], dtype=torch.bfloat16)
+    assert kernels.gelu(infinities).tolist() == [float("inf"), 0.0]
+
+
+def test_gelu_backward_matches_pytorch_on_activations(built):
+    """On fc1-like activations the gradient equals PyTorch's within one bf16 rounding (both round
+    g * GELU'(h) once); float32 and the native mode take PyTorch's GELU."""
+    torch.manual_seed(0)
+    h = (torch.randn(128, 65, 96) * 2).to(torch.bfloat16)
+    g = torch.randn(h.shape).to(torch.bfloat16)
+    leaf = h.clone().requires_grad_()
+    (ours,) = torch.autograd.grad(kernels.gelu(leaf), leaf, g)
+    (native,) = torch.autograd.grad(F.gelu(leaf), leaf, g)
+    assert ((ours.double() - native.double()).abs() <= native.double().abs() * 2**-7 + 1e-6).all()
+    assert kernels.gelu(h.float().requires_grad_()).grad_fn.name() == "GeluBackward0"
+    kernels.set_mode("native")
+    assert kernels.gelu(leaf).grad_fn.name() == "GeluBackward0"

@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -428,9 +429,99 @@ std::vector<at::Tensor> transpose_rows(const at::Tensor& g, bool column_sums) {
   return {out, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
 }
 
+// ---- GELU forward and backward by table ---------------------------------------------------------
+//
+// A bf16 activation has 65536 possible values, so the exact (erf) GELU and its derivative are two
+// tables of 65536 floats (256 KiB each, L2-resident), computed once in double precision: the forward
+// is a gather, the backward a gather and a multiply. PyTorch's bf16 kernels evaluate erf and two
+// exponentials per element (its backward took 2.3 ms for 8320 x 768, this 1.0 ms), and round each
+// result once from float; these round once from the double-precision value. NaN stays NaN, and the
+// infinities map to GELU's limits (0 and x; derivatives 0 and 1).
+
+namespace {
+
+struct GeluTables {
+  std::vector<float> value, derivative;
+  GeluTables() : value(1 << 16), derivative(1 << 16) {
+    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+      double y, dy;
+      if (std::isnan(x)) {
+        y = dy = x;
+      } else if (std::isinf(x)) {
+        y = x > 0 ? x : 0.0;
+        dy = x > 0 ? 1.0 : 0.0;
+      } else {
+        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
+        y = x * cdf;
+        dy = cdf + x * pdf;
+      }
+      value[bits] = static_cast<float>(y);
+      derivative[bits] = static_cast<float>(dy);
+    }
+  }
+};
+
+const GeluTables& gelu_tables() {
+  static const GeluTables tables;  // built on first use; thread-safe initialization
+  return tables;
+}
+
+// table[bits of p[0..n)] as floats (lanes past n are zero)
+inline fVec gather(const float* table, const BF* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
+                                       _mm512_cvtepu16_epi32(raw), table, 4));
+#else
+  float buf[kF] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
+  return fVec::loadu(buf);
+#endif
+}
+
+}  // namespace
+
+// The exact GELU of a contiguous bf16 tensor.
+at::Tensor gelu_forward(const at::Tensor& h) {
+  check_rows(h, "gelu_forward: h");
+  const float* table = gelu_tables().value.data();
+  auto y = at::empty_like(h);
+  const BF* hp = h.data_ptr<BF>();
+  BF* out = y.data_ptr<BF>();
+  at::parallel_for(0, h.numel(), 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += kF) {
+      const int64_t n = std::min(kF, end - i);
+      store_bf16(out + i, gather(table, hp + i, n), n);
+    }
+  });
+  return y;
+}
+
+// grad_out and h (the GELU's input) bf16, contiguous, of one shape -> the gradient at h (bf16).
+at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& h) {
+  check_rows(grad_out, "gelu_backward: grad_out");
+  check_rows(h, "gelu_backward: h");
+  TORCH_CHECK(grad_out.sizes() == h.sizes(), "gelu_backward: grad_out and h differ in shape");
+  const float* table = gelu_tables().derivative.data();
+  auto dh = at::empty_like(h);
+  const BF *gp = grad_out.data_ptr<BF>(), *hp = h.data_ptr<BF>();
+  BF* out = dh.data_ptr<BF>();
+  at::parallel_for(0, h.numel(), 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += kF) {
+      const int64_t n = std::min(kF, end - i);
+      store_bf16(out + i, load_bf16(gp + i, n) * gather(table, hp + i, n), n);
+    }
+  });
+  return dh;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
   m.def("transpose_rows", &transpose_rows, "feature-major copy of a bf16 matrix and its column sums");
+  m.def("gelu_forward", &gelu_forward, "the exact GELU of bf16 values, by table");
+  m.def("gelu_backward", &gelu_backward, "the exact GELU's backward for bf16 values, by table");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
 }

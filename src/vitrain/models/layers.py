@@ -36,6 +36,13 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
+class GELU(nn.GELU):
+    """The exact ``nn.GELU``; bf16 CPU tensors take the table kernels of :func:`vitrain.kernels.gelu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.gelu(x) if self.approximate == "none" else super().forward(x)
+
+
 def tokens_as_image(tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
     """View ``(B, H*W, C)`` patch tokens as a ``(B, C, H, W)`` image without copying.
 
@@ -274,7 +281,7 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
         super().__init__()
         self.fc1 = Linear(dim, hidden, device=device, dtype=dtype)
-        self.act = nn.GELU()
+        self.act = GELU()
         self.drop1 = nn.Dropout(drop)
         self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
