@@ -283,3 +283,33 @@ def test_gelu_backward_matches_pytorch_on_activations(built):
     assert kernels.gelu(h.float().requires_grad_()).grad_fn.name() == "GeluBackward0"
     kernels.set_mode("native")
     assert kernels.gelu(leaf).grad_fn.name() == "GeluBackward0"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias):
+    """fc1 and GELU as one ``_Linear``: the GELU's backward sums fc1's bias gradient. Output and all
+    gradients within bf16 rounding of float64; the Mlp takes this path in bf16 and gives what its
+    separate modules give."""
+    from vitrain.models.layers import Mlp
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, 48).to(torch.bfloat16)
+    weight = (torch.randn(192, 48) / 48**0.5).to(torch.bfloat16)
+    bias_tensor = torch.randn(192).to(torch.bfloat16) if bias else None
+    grad_out = torch.randn(4, 33, 192).to(torch.bfloat16)
+    fused = _linear_grads(kernels.linear_gelu, x, weight, bias_tensor, grad_out)
+    assert fused[0].grad_fn.name().endswith("_LinearBackward")
+    doubles = [x.double(), weight.double(), None if bias_tensor is None else bias_tensor.double()]
+    reference = _linear_grads(lambda *a: F.gelu(F.linear(*a)), *doubles, grad_out.double())
+    assert max(_relative_errors(fused, reference)) < 2**-7
+
+    mlp = Mlp(48, 192).to(torch.bfloat16)
+    x.requires_grad_()
+    fused_out = mlp(x, (0, 0))
+    fc1_node = fused_out.grad_fn.next_functions[0][0]  # fc2's input comes straight from fc1 + GELU
+    assert fc1_node.name().endswith("_LinearBackward") and fc1_node.next_functions[0][0].variable is x
+    fused_grads = torch.autograd.grad(fused_out, (x, *mlp.parameters()), grad_out[..., :48])
+    kernels.set_mode("native")
+    native_out = mlp(x, (0, 0))
+    native_grads = torch.autograd.grad(native_out, (x, *mlp.parameters()), grad_out[..., :48])
+    assert max(_relative_errors([fused_out, *fused_grads], [native_out.double(), *native_grads])) < 2**-6

@@ -159,7 +159,7 @@ class _Gelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        return _module.gelu_backward(grad_out.contiguous(), x)
+        return _module.gelu_backward(grad_out.contiguous(), x, False)[0]
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,8 @@ def depthwise_conv3x3(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear``'s forward; a backward whose weight gradient multiplies contiguous operands.
+    """``F.linear``'s forward (and optionally the exact GELU after it); a backward whose weight
+    gradient multiplies contiguous operands.
 
     The weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it at about half
     speed when an operand is a transposed view (6.8 against 3.5 ms for 6304 tokens, 1536 -> 384).
@@ -228,30 +229,54 @@ class _Linear(torch.autograd.Function):
     is ``gT @ x`` and the copy sums the bias gradient on the way; with ``x`` narrower (one that
     expands, qkv and fc1) it is ``xT @ g``, whose small (in, out) result is copied back to the
     weight's layout. Layers within a factor 2 of square keep PyTorch's backward (the copy costs what
-    the product gains; measured in docs/benchmarks.md, "Linear weight gradients").
+    the product gains; measured in docs/benchmarks.md, "Linear weight gradients"). With the GELU
+    (a ViT FFN's fc1), its backward sums the bias gradient as it writes the pre-activation gradient.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expands: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expands: bool, gelu: bool
+    ) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, weight, bias)
+        ctx.has_bias, ctx.expands, ctx.gelu = bias is not None, expands, gelu
+        if gelu:
+            out = out.contiguous()
+            ctx.save_for_backward(x, weight, out)
+            return _module.gelu_forward(out)
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.expands = bias is not None, expands
-        return torch.nn.functional.linear(x, weight, bias)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, *pre_activation = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        dbias = None
+        if ctx.gelu:
+            g, sums = _module.gelu_backward(g, pre_activation[0].view(g.shape), ctx.has_bias)
+            dbias = sums.to(weight.dtype) if ctx.has_bias else None
         rows = x.reshape(-1, x.shape[-1])
         dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        bias_pending = ctx.has_bias and dbias is None
         if ctx.expands:
             x_t, _ = _module.transpose_rows(rows.contiguous(), False)
             dweight, _ = _module.transpose_rows(x_t @ g, False)
-            dbias = g.sum(0) if ctx.has_bias else None
+            if bias_pending:
+                dbias = g.sum(0)
         else:
-            g_t, sums = _module.transpose_rows(g, ctx.has_bias)
+            g_t, sums = _module.transpose_rows(g, bias_pending)
             dweight = g_t @ rows
-            dbias = sums.to(weight.dtype) if ctx.has_bias else None
-        return dx, dweight, dbias, None
+            if bias_pending:
+                dbias = sums.to(weight.dtype)
+        return dx, dweight, dbias, None, None
+
+
+def _linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and weight.is_contiguous()
+        and _applies(x, weight, *(() if bias is None else (bias,)))
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -259,12 +284,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     layer expands or reduces by at least 2 (``_Linear``)."""
     out_features, in_features = weight.shape
     expands, reduces = out_features >= 2 * in_features, 2 * out_features <= in_features
-    if (
-        (expands or reduces)
-        and weight.dtype == x.dtype
-        and (bias is None or bias.dtype == x.dtype)
-        and weight.is_contiguous()
-        and _applies(x, weight, *(() if bias is None else (bias,)))
-    ):
-        return _Linear.apply(x, weight, bias, expands)
+    if (expands or reduces) and _linear_applies(x, weight, bias):
+        return _Linear.apply(x, weight, bias, expands, False)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``gelu(F.linear(x, weight, bias))`` as one ``_Linear`` where the kernels apply, else None (the
+    caller then runs its own modules, so their hooks, tensor parallelism's among them, still run)."""
+    if not _linear_applies(x, weight, bias):
+        return None
+    out_features, in_features = weight.shape
+    return _Linear.apply(x, weight, bias, out_features >= 2 * in_features, True)

@@ -499,22 +499,31 @@ at::Tensor gelu_forward(const at::Tensor& h) {
   return y;
 }
 
-// grad_out and h (the GELU's input) bf16, contiguous, of one shape -> the gradient at h (bf16).
-at::Tensor gelu_backward(const at::Tensor& grad_out, const at::Tensor& h) {
+// grad_out and h (the GELU's input) bf16, contiguous, of one shape -> the gradient at h (bf16) and,
+// if column_sums, its sums over all but the last dimension in float32 (the bias gradient of the
+// linear layer that produced h; undefined otherwise).
+std::vector<at::Tensor> gelu_backward(const at::Tensor& grad_out, const at::Tensor& h, bool column_sums) {
   check_rows(grad_out, "gelu_backward: grad_out");
   check_rows(h, "gelu_backward: h");
   TORCH_CHECK(grad_out.sizes() == h.sizes(), "gelu_backward: grad_out and h differ in shape");
   const float* table = gelu_tables().derivative.data();
   auto dh = at::empty_like(h);
+  const int64_t C = h.dim() > 0 ? h.size(-1) : 1, R = C > 0 ? h.numel() / C : 0;
+  ColumnSums sums(column_sums ? C : 0, 1);
   const BF *gp = grad_out.data_ptr<BF>(), *hp = h.data_ptr<BF>();
   BF* out = dh.data_ptr<BF>();
-  at::parallel_for(0, h.numel(), 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i += kF) {
-      const int64_t n = std::min(kF, end - i);
-      store_bf16(out + i, load_bf16(gp + i, n) * gather(table, hp + i, n), n);
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)), [&](int64_t begin, int64_t end) {
+    float* acc = column_sums ? sums.block(0) : nullptr;
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c), i = r * C + c;
+        const fVec d = load_bf16(gp + i, n) * gather(table, hp + i, n);
+        store_bf16(out + i, d, n);
+        if (acc != nullptr) store_f32(acc + c, load_f32(acc + c, n) + d, n);  // before rounding
+      }
     }
   });
-  return dh;
+  return {dh, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -287,7 +287,12 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        hidden = None
+        if self.act.approximate == "none" and not self.fc1._forward_hooks and not self.fc1._forward_pre_hooks:
+            hidden = kernels.linear_gelu(x, self.fc1.weight, self.fc1.bias)  # one function, bias grad fused
+        if hidden is None:
+            hidden = self.act(self.fc1(x))
+        return self.drop2(self.fc2(self.drop1(hidden)))
 
 
 class LocalityMlp(nn.Module):
