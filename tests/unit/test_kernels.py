@@ -313,3 +313,58 @@ def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias):
     native_out = mlp(x, (0, 0))
     native_grads = torch.autograd.grad(native_out, (x, *mlp.parameters()), grad_out[..., :48])
     assert max(_relative_errors([fused_out, *fused_grads], [native_out.double(), *native_grads])) < 2**-6
+
+
+@pytest.mark.parametrize(("prefix", "grid", "dim"), [(1, (14, 14), 48), (0, (5, 7), 10), (2, (3, 4), 100)])
+def test_locality_front_matches_float64(built, prefix, grid, dim):
+    """The locality FFN with fc1, the depthwise convolution and the h-swish as one function
+    (``_LocalityFront``): output and the gradients of the input and of every parameter (fc1's bias
+    summed from the kernel's rows) within bf16 rounding of the same module in float64. CLS rows 0, 1
+    and 2; channel counts (40, 400) that leave partial vectors; a grid that is not square."""
+    from vitrain.models.layers import LocalityMlp
+
+    torch.manual_seed(0)
+    mlp = LocalityMlp(dim, 4 * dim, num_prefix_tokens=prefix).to(torch.bfloat16)
+    x = torch.randn(3, prefix + grid[0] * grid[1], dim).to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(x.shape).to(torch.bfloat16)
+    out = mlp(x, grid)
+    assert out.grad_fn.next_functions[0][0].name().endswith("_LocalityFrontBackward")
+    grads = torch.autograd.grad(out, [x, *mlp.parameters()], grad_out)
+    mlp.double()
+    x64 = x.detach().double().requires_grad_()
+    out64 = mlp(x64, grid)
+    assert not out64.grad_fn.next_functions[0][0].name().endswith("_LocalityFrontBackward")
+    reference = torch.autograd.grad(out64, [x64, *mlp.parameters()], grad_out.double())
+    assert max(_relative_errors([out, *grads], [out64, *reference])) < 2**-7
+
+
+def test_depthwise_backward_through_hardswish_and_into_a_token_view(built):
+    """The kernel's h-swish path on its own, from given bf16 tensors (so float64 takes the same pieces
+    of the h-swish): pre-activations spread over -6..6 reach all three pieces; the input gradient is
+    written into the patch rows of a (B, 1 + H*W, C) buffer, the CLS rows untouched, and summed."""
+    torch.manual_seed(0)
+    batch, height, width, channels = 2, 5, 6, 40
+
+    def image(tokens):
+        return tokens[:, 1:].unflatten(1, (height, width)).permute(0, 3, 1, 2)
+
+    tokens = torch.randn(batch, 1 + height * width, channels).to(torch.bfloat16)
+    pre_activation = (12 * torch.rand(batch, height * width, channels) - 6).to(torch.bfloat16)
+    pre_activation[0, :3, 0] = torch.tensor([-3.0, 3.0, 0.0])  # the pieces' ends, as PyTorch assigns them
+    z = pre_activation.unflatten(1, (height, width)).permute(0, 3, 1, 2)  # channels-last, contiguous
+    grad_a = torch.randn(batch, 1 + height * width, channels).to(torch.bfloat16)
+    weight = torch.randn(channels, 1, 3, 3).to(torch.bfloat16)
+    grad_u = torch.full_like(tokens, 7.0)
+    _, dweight, dbias, sums = built.depthwise_conv3x3_backward(
+        image(grad_a), image(tokens), weight, True, True, z, image(grad_u), True
+    )
+    assert (grad_u[:, 0] == 7.0).all()
+    x64 = image(tokens).double().requires_grad_()
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels).double()
+    with torch.no_grad():
+        conv.weight.copy_(weight.double())
+    grad_z = torch.ops.aten.hardswish_backward(image(grad_a).double(), z.double())
+    reference = torch.autograd.grad(conv(x64), (x64, conv.weight, conv.bias), grad_z)
+    got = (image(grad_u), dweight, dbias)
+    assert max(_relative_errors(got, reference)) < 2**-7
+    assert max(_relative_errors([sums], [reference[0].sum((0, 2, 3))])) < 2**-7

@@ -192,8 +192,8 @@ class _DepthwiseConv3x3(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if not _channels_last_within_images(grad_out):  # the batch stride is free (the kernel takes views)
             grad_out = grad_out.contiguous(memory_format=torch.channels_last)
-        dx, dweight, dbias = _module.depthwise_conv3x3_backward(
-            grad_out, x, weight, ctx.has_bias, ctx.needs_input_grad[0]
+        dx, dweight, dbias, _ = _module.depthwise_conv3x3_backward(
+            grad_out, x, weight, ctx.has_bias, ctx.needs_input_grad[0], None, None, False
         )
         return (dx if ctx.needs_input_grad[0] else None), dweight, (dbias if ctx.has_bias else None)
 
@@ -296,3 +296,88 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     out_features, in_features = weight.shape
     return _Linear.apply(x, weight, bias, out_features >= 2 * in_features, True)
+
+
+class _LocalityFront(torch.autograd.Function):
+    """The locality FFN up to its second linear layer: ``u = fc1(x)``, the depthwise 3x3 convolution
+    over the patch rows of ``u``, the prefix (CLS) rows passed by, and the h-swish over both, as one
+    function: ``h-swish(cat(u[:, :P], conv(u[:, P:])))``.
+
+    Forward: fc1 and the convolution are PyTorch's (oneDNN's); ``cat_hardswish`` writes the
+    activation from both sources in one pass (no concatenated copy). Backward: the depthwise kernel
+    takes the gradient through the h-swish as it loads it and writes the patch rows of fc1's output
+    gradient in place, summing them for fc1's bias gradient; the prefix rows are PyTorch's
+    ``hardswish_backward`` (B x P rows). Saves fc1's input, its output and the convolution's output:
+    what fc1, the convolution and the h-swish saved apart (the concatenation is not kept)."""
+
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, conv_weight, conv_bias, grid, prefix: int):  # noqa: ANN001
+        u = torch.nn.functional.linear(x, fc1_weight, fc1_bias).contiguous()
+        batch, _, hidden = u.shape
+        image = u[:, prefix:].reshape(batch, grid[0], grid[1], hidden).permute(0, 3, 1, 2)
+        conv_out = torch.nn.functional.conv2d(image, conv_weight, conv_bias, padding=1, groups=hidden)
+        conv_out = conv_out.contiguous(memory_format=torch.channels_last)
+        ctx.save_for_backward(x, fc1_weight, u, conv_out, conv_weight)
+        ctx.grid, ctx.prefix = grid, prefix
+        ctx.has_fc1_bias, ctx.has_conv_bias = fc1_bias is not None, conv_bias is not None
+        return _module.cat_hardswish(u, conv_out, prefix)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, fc1_weight, u, conv_out, conv_weight = ctx.saved_tensors
+        prefix, (height, width) = ctx.prefix, ctx.grid
+        grad_out = grad_out.contiguous()
+        batch, _, hidden = u.shape
+        grad_u = torch.empty_like(u)
+
+        def image(tokens: torch.Tensor) -> torch.Tensor:
+            return tokens[:, prefix:].reshape(batch, height, width, hidden).permute(0, 3, 1, 2)
+
+        _, dconv_weight, dconv_bias, patch_sums = _module.depthwise_conv3x3_backward(
+            image(grad_out), image(u), conv_weight, ctx.has_conv_bias, True, conv_out, image(grad_u), True
+        )
+        dfc1_bias = patch_sums
+        if prefix:
+            grad_prefix = torch.ops.aten.hardswish_backward(grad_out[:, :prefix], u[:, :prefix])
+            grad_u[:, :prefix] = grad_prefix
+            dfc1_bias = dfc1_bias + grad_prefix.float().sum((0, 1))
+        g = grad_u.view(-1, hidden)
+        rows = x.reshape(-1, x.shape[-1])
+        dx = (g @ fc1_weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        x_t, _ = _module.transpose_rows(rows.contiguous(), False)  # fc1 expands: copy its input (``_Linear``)
+        dfc1_weight, _ = _module.transpose_rows(x_t @ g, False)
+        return (
+            dx,
+            dfc1_weight,
+            dfc1_bias.to(fc1_weight.dtype) if ctx.has_fc1_bias else None,
+            dconv_weight,
+            dconv_bias if ctx.has_conv_bias else None,
+            None,
+            None,
+        )
+
+
+def locality_front(
+    x: torch.Tensor, fc1: torch.nn.Linear, conv: torch.nn.Conv2d, grid: tuple[int, int], prefix: int
+) -> torch.Tensor | None:
+    """``h-swish(cat(u[:, :prefix], depthwise_conv(u[:, prefix:])))`` with ``u = fc1(x)`` as one
+    ``_LocalityFront`` where the kernels apply (bf16 CPU, plain parameters, a depthwise 3x3 convolution
+    with stride 1 and zero padding 1, fc1 expanding by at least 2), else None: the caller runs its
+    modules (and their hooks) instead."""
+    hidden = fc1.out_features
+    params = [fc1.weight, conv.weight, *(p for p in (fc1.bias, conv.bias) if p is not None)]
+    if (
+        x.dim() != 3
+        or x.shape[1] != prefix + grid[0] * grid[1]
+        or hidden < 2 * fc1.in_features
+        or conv.kernel_size != (3, 3)
+        or conv.stride != (1, 1)
+        or conv.padding != (1, 1)
+        or conv.dilation != (1, 1)
+        or conv.padding_mode != "zeros"
+        or not conv.groups == conv.in_channels == conv.out_channels == hidden
+        or any(p.dtype != x.dtype or not p.is_contiguous() for p in params)
+        or not _applies(x, *params)
+    ):
+        return None
+    return _LocalityFront.apply(x, fc1.weight, fc1.bias, conv.weight, conv.bias, grid, prefix)

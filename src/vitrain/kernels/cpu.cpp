@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <vector>
 
@@ -244,6 +245,17 @@ namespace {
 
 constexpr int64_t kDwChunk = 2 * kF;  // tiles hold whole chunks of channels (32 with AVX-512)
 
+// h-swish(z) = z * relu6(z + 3) / 6 and its derivative as PyTorch's vectorized CPU kernel takes it:
+// 0 up to -3, z / 3 + 1/2 strictly between -3 and 3, 1 from 3 on (the ends take the outer pieces).
+inline fVec hardswish(const fVec& z) {
+  return z * minimum(maximum(z + fVec(3.f), fVec(0.f)), fVec(6.f)) / fVec(6.f);
+}
+
+inline fVec hardswish_derivative(const fVec& z) {
+  const fVec middle = z / fVec(3.f) + fVec(0.5f);
+  return fVec::blendv(fVec::blendv(middle, fVec(0.f), z <= fVec(-3.f)), fVec(1.f), z >= fVec(3.f));
+}
+
 struct Image {  // a (B, C, H, W) tensor with channels-last strides inside each image
   const BF* data;
   int64_t batch_stride, H, W, C;
@@ -280,7 +292,8 @@ struct Tile {
   int64_t H, W, width;
   std::vector<float> data;
   float* pixel(int64_t h, int64_t w) { return data.data() + ((h + 1) * (W + 2) + (w + 1)) * width; }
-  void fill(const Image& img, int64_t b, int64_t c, int64_t n) {
+  // With `act` (the h-swish's input, same shape): the gradient is taken through the h-swish first.
+  void fill(const Image& img, int64_t b, int64_t c, int64_t n, const Image* act = nullptr) {
     H = img.H;
     W = img.W;
     width = (n + kDwChunk - 1) / kDwChunk * kDwChunk;
@@ -288,8 +301,14 @@ struct Tile {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t w = 0; w < W; ++w) {
         const BF* src = img.at(b, h, w) + c;
+        const BF* z = act != nullptr ? act->at(b, h, w) + c : nullptr;
         float* dst = pixel(h, w);
-        for (int64_t j = 0; j < n; j += kF) load_bf16(src + j, std::min(kF, n - j)).store(dst + j);
+        for (int64_t j = 0; j < n; j += kF) {
+          const int64_t m = std::min(kF, n - j);
+          fVec v = load_bf16(src + j, m);
+          if (z != nullptr) v = v * hardswish_derivative(load_bf16(z + j, m));
+          v.store(dst + j);
+        }
       }
     }
   }
@@ -304,7 +323,8 @@ int64_t channels_per_item(int64_t H, int64_t W, int64_t C) {
 
 // The input gradient of image b, channels [c, c + n), from the output gradient's tile: the
 // transposed convolution, dx(h, w) = sum over taps k of weight(8 - k) * grad(h + dh, w + dw).
-void input_gradient(Tile& grad_tile, const float* taps, int64_t C, int64_t c, int64_t n, BF* dx_image) {
+void input_gradient(Tile& grad_tile, const float* taps, int64_t C, int64_t c, int64_t n, BF* dx_image,
+                    float* sums) {
   const int64_t H = grad_tile.H, W = grad_tile.W, row = (W + 2) * grad_tile.width;
   int64_t offsets[9];
   for (int64_t k = 0; k < 9; ++k) offsets[k] = (k / 3 - 1) * row + (k % 3 - 1) * grad_tile.width;
@@ -319,6 +339,7 @@ void input_gradient(Tile& grad_tile, const float* taps, int64_t C, int64_t c, in
           acc = fmadd(fVec::loadu(centre + offsets[k] + j), load_f32(taps + (8 - k) * C + c + j, m), acc);
         }
         store_bf16(dst + j, acc, m);
+        if (sums != nullptr) store_f32(sums + c + j, load_f32(sums + c + j, m) + acc, m);
       }
     }
   }
@@ -335,24 +356,45 @@ at::Tensor empty_channels_last(int64_t B, int64_t C, int64_t H, int64_t W) {
 // free: a view that skips CLS rows works), weight (C, 1, 3, 3) float32 or bf16. Returns
 // dx (channels_last bf16; undefined unless need_input_grad),
 // dweight ((C, 1, 3, 3), weight's dtype) and dbias (weight's dtype; undefined unless has_bias), the
-// latter two summed in float32.
+// latter two summed in float32, and the float32 sums of dx over batch and pixels (undefined unless
+// dx_sums).
+//
+// act_input (optional; the convolution's output, grad_out's shape): grad_out is the gradient of
+// h-swish(output), taken through the h-swish on the way into the tile. dx_out (optional; x's shape,
+// channels-last within each image, any batch stride): where dx is written, e.g. the patch rows of a
+// (B, 1 + H*W, C) token gradient whose CLS rows the caller fills.
 std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                                   const at::Tensor& weight, bool has_bias, bool need_input_grad) {
+                                                   const at::Tensor& weight, bool has_bias, bool need_input_grad,
+                                                   const std::optional<at::Tensor>& act_input,
+                                                   const std::optional<at::Tensor>& dx_out, bool dx_sums) {
   const Image in = channels_last_image(x, "depthwise_conv3x3_backward: x");
   const Image g = channels_last_image(grad_out, "depthwise_conv3x3_backward: grad_out");
   TORCH_CHECK(grad_out.sizes() == x.sizes(), "depthwise_conv3x3_backward: grad_out and x differ in shape");
   const int64_t B = x.size(0), C = in.C, H = in.H, W = in.W;
+  Image act{};
+  if (act_input.has_value()) {
+    act = channels_last_image(*act_input, "depthwise_conv3x3_backward: act_input");
+    TORCH_CHECK(act_input->sizes() == x.sizes(), "depthwise_conv3x3_backward: act_input and x differ in shape");
+  }
   const std::vector<float> taps = taps_of(weight, C);
-  at::Tensor dx = need_input_grad ? empty_channels_last(B, C, H, W) : at::Tensor();
+  at::Tensor dx;
+  if (need_input_grad) {
+    dx = dx_out.has_value() ? *dx_out : empty_channels_last(B, C, H, W);
+    channels_last_image(dx, "depthwise_conv3x3_backward: dx_out");
+    TORCH_CHECK(dx.sizes() == x.sizes(), "depthwise_conv3x3_backward: dx_out and x differ in shape");
+  }
   BF* dxp = need_input_grad ? dx.data_ptr<BF>() : nullptr;
+  const int64_t dx_batch_stride = need_input_grad ? dx.stride(0) : 0;
   ColumnSums sums(C, 10);  // nine taps, then the bias
+  ColumnSums input_sums(dx_sums && need_input_grad ? C : 0, 1);
   const int64_t per_item = channels_per_item(H, W, C), groups = (C + per_item - 1) / per_item;
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
     Tile x_tile, g_tile;
+    float* dx_acc = dx_sums && need_input_grad ? input_sums.block(0) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / groups, c0 = (item % groups) * per_item, n_item = std::min(per_item, C - c0);
-      g_tile.fill(g, b, c0, n_item);
-      if (need_input_grad) input_gradient(g_tile, taps.data(), C, c0, n_item, dxp + b * H * W * C);
+      g_tile.fill(g, b, c0, n_item, act_input.has_value() ? &act : nullptr);
+      if (need_input_grad) input_gradient(g_tile, taps.data(), C, c0, n_item, dxp + b * dx_batch_stride, dx_acc);
       x_tile.fill(in, b, c0, n_item);
       const int64_t row = (W + 2) * x_tile.width;
       for (int64_t j = 0; j < n_item; j += kF) {  // one vector of channels at a time, sums in registers
@@ -383,7 +425,36 @@ std::vector<at::Tensor> depthwise_conv3x3_backward(const at::Tensor& grad_out, c
     const float* tp = tap.data_ptr<float>();
     for (int64_t c = 0; c < C; ++c) dwp[c * 9 + k] = tp[c];
   }
-  return {dx, dweight.to(weight.scalar_type()), has_bias ? sums.reduce(9, weight.scalar_type()) : at::Tensor()};
+  return {dx, dweight.to(weight.scalar_type()), has_bias ? sums.reduce(9, weight.scalar_type()) : at::Tensor(),
+          dx_sums && need_input_grad ? input_sums.reduce(0, at::kFloat) : at::Tensor()};
+}
+
+// The locality FFN's activation: tokens u (B, N, C) bf16 contiguous, of which the first `prefix` rows
+// of each image bypass the convolution, and the convolution's output over the rest, conv_out (B, C,
+// H, W) channels-last with H * W = N - prefix. Returns h-swish(cat(u prefix rows, conv_out tokens)),
+// (B, N, C) bf16: the concatenation and the activation in one pass.
+at::Tensor cat_hardswish(const at::Tensor& u, const at::Tensor& conv_out, int64_t prefix) {
+  check_rows(u, "cat_hardswish: u");
+  TORCH_CHECK(u.dim() == 3, "cat_hardswish: u must be (B, N, C)");
+  const Image conv = channels_last_image(conv_out, "cat_hardswish: conv_out");
+  const int64_t B = u.size(0), N = u.size(1), C = u.size(2);
+  TORCH_CHECK(conv_out.size(0) == B && conv.C == C && prefix >= 0 && conv.H * conv.W + prefix == N,
+              "cat_hardswish: conv_out must be (B, C, H, W) with H * W = N - prefix; got ", conv_out.sizes(),
+              " for u ", u.sizes(), " and prefix ", prefix);
+  auto a = at::empty_like(u);
+  const BF* up = u.data_ptr<BF>();
+  BF* ap = a.data_ptr<BF>();
+  at::parallel_for(0, B * N, std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / N, t = r % N;
+      const BF* src = t < prefix ? up + r * C : conv.at(b, (t - prefix) / conv.W, (t - prefix) % conv.W);
+      for (int64_t c = 0; c < C; c += kF) {
+        const int64_t n = std::min(kF, C - c);
+        store_bf16(ap + r * C + c, hardswish(load_bf16(src + c, n)), n);
+      }
+    }
+  });
+  return a;
 }
 
 // ---- Feature-major copies for weight gradients ---------------------------------------------------
@@ -427,6 +498,27 @@ std::vector<at::Tensor> transpose_rows(const at::Tensor& g, bool column_sums) {
     }
   });
   return {out, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
+}
+
+// Column sums of a contiguous bf16 matrix (M, N) in float32: the bias gradient of a layer whose
+// output gradient is not copied (an expanding layer copies its input instead).
+at::Tensor column_sums(const at::Tensor& g) {
+  check_rows(g, "column_sums: g");
+  TORCH_CHECK(g.dim() == 2, "column_sums: g must be 2-d, got ", g.dim(), " dimensions");
+  const int64_t M = g.size(0), N = g.size(1);
+  ColumnSums sums(N, 1);
+  const BF* src = g.data_ptr<BF>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+    float* acc = sums.block(0);
+    for (int64_t r = begin; r < end; ++r) {
+      const BF* row = src + r * N;
+      for (int64_t c = 0; c < N; c += kF) {
+        const int64_t n = std::min(kF, N - c);
+        store_f32(acc + c, load_f32(acc + c, n) + load_bf16(row + c, n), n);
+      }
+    }
+  });
+  return sums.reduce(0, at::kFloat);
 }
 
 // ---- GELU forward and backward by table ---------------------------------------------------------
@@ -529,8 +621,10 @@ std::vector<at::Tensor> gelu_backward(const at::Tensor& grad_out, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
+  m.def("column_sums", &column_sums, "column sums of a bf16 matrix in float32");
   m.def("transpose_rows", &transpose_rows, "feature-major copy of a bf16 matrix and its column sums");
   m.def("gelu_forward", &gelu_forward, "the exact GELU of bf16 values, by table");
   m.def("gelu_backward", &gelu_backward, "the exact GELU's backward for bf16 values, by table");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
+  m.def("cat_hardswish", &cat_hardswish, "the locality FFN's concatenation and h-swish in one pass");
 }

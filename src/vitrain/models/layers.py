@@ -314,6 +314,11 @@ class LocalityMlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.fc1, self.conv, self.act))
+        if not hooked:
+            front = kernels.locality_front(x, self.fc1, self.conv, grid, self.num_prefix_tokens)
+            if front is not None:  # fc1, convolution and h-swish as one function (bf16 CPU)
+                return self.drop2(self.fc2(self.drop1(front)))
         x = self.fc1(x)
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
         patches = image_as_tokens(kernels.depthwise_conv3x3(tokens_as_image(patches, grid), self.conv))
