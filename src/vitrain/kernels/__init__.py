@@ -261,7 +261,7 @@ class _Linear(torch.autograd.Function):
             x_t, _ = _module.transpose_rows(rows.contiguous(), False)
             dweight, _ = _module.transpose_rows(x_t @ g, False)
             if bias_pending:
-                dbias = g.sum(0)
+                dbias = _module.column_sums(g).to(weight.dtype)
         else:
             g_t, sums = _module.transpose_rows(g, bias_pending)
             dweight = g_t @ rows
