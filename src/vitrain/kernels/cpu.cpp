@@ -288,6 +288,20 @@ std::vector<float> taps_of(const at::Tensor& weight, int64_t C) {
 // tile of (H + 2) x (W + 2) pixels of `width` floats (lanes past n are zero). The pixels are read in
 // order, `n` contiguous bf16 each: whole cache lines the hardware prefetcher follows (a tile per
 // 32-channel chunk read one line per pixel, 3 KiB apart, and stalled on every load).
+// A tile reads n channels of each pixel, and the next pixel's lie C channels on (3 KiB for 1536): the
+// hardware prefetchers do not follow that, so the fill asks for pixels 8 ahead itself, into L2.
+// 32 x 1536 x 14 x 14 with the h-swish: 17.5 ms without, 14.8 with (medians of 12, alternating with
+// distances 4-16 and L1/L2/L3 hints, all within 0.5 ms of each other); on another host of the kind, 64 MB
+// flushed before each call: 10.9-13.3 ms without, 8.8-9.4 with.
+constexpr int64_t kPrefetchPixels = 8;
+
+inline void prefetch(const BF* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t offset = 0; offset < n * static_cast<int64_t>(sizeof(BF)); offset += 64) {
+    __builtin_prefetch(bytes + offset, 0, 2);
+  }
+}
+
 struct Tile {
   int64_t H, W, width;
   std::vector<float> data;
@@ -302,6 +316,11 @@ struct Tile {
       for (int64_t w = 0; w < W; ++w) {
         const BF* src = img.at(b, h, w) + c;
         const BF* z = act != nullptr ? act->at(b, h, w) + c : nullptr;
+        const int64_t ahead = h * W + w + kPrefetchPixels;
+        if (ahead < H * W) {
+          prefetch(img.at(b, ahead / W, ahead % W) + c, n);
+          if (act != nullptr) prefetch(act->at(b, ahead / W, ahead % W) + c, n);
+        }
         float* dst = pixel(h, w);
         for (int64_t j = 0; j < n; j += kF) {
           const int64_t m = std::min(kF, n - j);
