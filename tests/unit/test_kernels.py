@@ -368,3 +368,138 @@ def test_depthwise_backward_through_hardswish_and_into_a_token_view(built):
     got = (image(grad_u), dweight, dbias)
     assert max(_relative_errors(got, reference)) < 2**-7
     assert max(_relative_errors([sums], [reference[0].sum((0, 2, 3))])) < 2**-7
+
+
+def _amx(built) -> bool:
+    return built.attention_amx_available()
+
+
+def _reference_attention(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    batch, tokens, width = qkv.shape
+    q, k, v = qkv.reshape(batch, tokens, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    weights = (q @ k.transpose(-2, -1) * scale).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(batch, tokens, -1)
+
+
+def _attention_case(batch, tokens, heads, head_dim, spread=1.5):
+    torch.manual_seed(0)
+    qkv = (torch.randn(batch, tokens, 3 * heads * head_dim) * spread).to(torch.bfloat16)
+    grad_out = torch.randn(batch, tokens, heads * head_dim).to(torch.bfloat16)
+    reference = qkv.double().requires_grad_()
+    out = _reference_attention(reference, heads, head_dim**-0.5)
+    (grad,) = torch.autograd.grad(out, reference, grad_out.double())
+    return qkv, grad_out, out.detach(), grad
+
+
+@pytest.mark.parametrize("backend", ["emulated", "amx"])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim"),
+    [(1, 1, 32), (5, 2, 32), (16, 1, 64), (17, 2, 64), (33, 1, 32), (65, 3, 64), (197, 2, 64), (40, 1, 128)],
+)
+def test_attention_kernel_matches_float64_and_is_no_worse_than_the_bf16_matmuls(
+    built, backend, tokens, heads, head_dim
+):
+    """softmax(scale q k^T) v and its gradient at qkv, both tile backends (the AMX one, and the same
+    tile arithmetic in plain C++ that any CPU runs): within bf16 rounding of float64 (2^-7 of the
+    largest value), and at most 1.25x the error of the explicit attention's bf16 matmuls on the same
+    input. Token counts that fill no tile, one tile, a tile and one row, and ViT-Ti/4's and ViT-S/16's
+    65 and 197; head sizes 32, 64 and 128."""
+    from vitrain.models.layers import MatmulAttention
+
+    if backend == "amx" and not _amx(built):
+        pytest.skip("this CPU (or this build of the kernels) has no AMX-BF16; the emulated backend ran the same tiles")
+    qkv, grad_out, out64, grad64 = _attention_case(2, tokens, heads, head_dim)
+    emulate = backend == "emulated"
+    out = built.attention_forward(qkv, heads, head_dim**-0.5, emulate)
+    grad = built.attention_backward(grad_out, qkv, heads, head_dim**-0.5, emulate)
+    errors = _relative_errors([out, grad], [out64, grad64])
+    assert max(errors) < 2**-7, errors
+    x = qkv.clone().requires_grad_()
+    explicit = MatmulAttention.apply(x, head_dim, head_dim**-0.5)
+    explicit_errors = _relative_errors([explicit, *torch.autograd.grad(explicit, x, grad_out)], [out64, grad64])
+    bounds = [1.25 * max(error, 2**-10) for error in explicit_errors]
+    assert all(e <= bound for e, bound in zip(errors, bounds, strict=True)), (errors, explicit_errors)
+
+
+def test_attention_kernel_softmax_is_stable_for_large_scores(built):
+    """Scores of several hundred (bf16 inputs of size ~30): the softmax subtracts each row's maximum,
+    so outputs and gradients stay finite and match float64."""
+    qkv, grad_out, out64, grad64 = _attention_case(2, 33, 2, 32, spread=30.0)
+    for emulate in (True, False) if _amx(built) else (True,):
+        out = built.attention_forward(qkv, 2, 32**-0.5, emulate)
+        grad = built.attention_backward(grad_out, qkv, 2, 32**-0.5, emulate)
+        assert out.isfinite().all() and grad.isfinite().all()
+        assert max(_relative_errors([out, grad], [out64, grad64])) < 2**-6
+
+
+def test_attention_kernel_refuses_bad_shapes_with_the_reason(built):
+    qkv = torch.randn(2, 5, 3 * 2 * 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 32"):
+        built.attention_forward(torch.randn(2, 5, 3 * 2 * 24).to(torch.bfloat16), 2, 1.0, True)
+    with pytest.raises(RuntimeError, match=r"must be \(B, N, 3 \* heads \* head_dim\)"):
+        built.attention_forward(qkv, 5, 1.0, True)
+    with pytest.raises(RuntimeError, match="grad_out must be"):
+        built.attention_backward(torch.randn(2, 5, 32).to(torch.bfloat16), qkv, 2, 1.0, True)
+    if not _amx(built):
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            built.attention_forward(qkv, 2, 1.0, False)
+
+
+def test_attention_runs_the_kernel_only_where_it_applies(built):
+    """kernels.attention: the AMX kernel for bf16 CPU tensors (also under autocast) with head sizes
+    that are multiples of 32 and up to MAX_ATTENTION_TOKENS tokens; None otherwise, and in native mode."""
+    if not _amx(built):
+        qkv = torch.randn(2, 5, 3 * 64).to(torch.bfloat16)
+        assert kernels.attention(qkv, 32, 0.1) is None
+        pytest.skip("no AMX-BF16 here: kernels.attention returns None, checked; the rest needs the AMX path")
+    qkv = torch.randn(2, 9, 3 * 2 * 32).to(torch.bfloat16).requires_grad_()
+    assert kernels.attention(qkv, 32, 0.1).grad_fn.name().endswith("_AttentionBackward")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernels.attention(qkv, 32, 0.1) is not None
+    assert kernels.attention(qkv.float(), 32, 0.1) is None
+    assert kernels.attention(torch.randn(2, 9, 3 * 4 * 16).to(torch.bfloat16), 16, 0.1) is None
+    too_long = torch.zeros(1, kernels.MAX_ATTENTION_TOKENS + 1, 3 * 32, dtype=torch.bfloat16)
+    assert kernels.attention(too_long, 32, 0.1) is None
+    strided = torch.randn(2, 9, 2 * 3 * 2 * 32).to(torch.bfloat16)[..., ::2]  # not contiguous
+    torch.testing.assert_close(kernels.attention(strided, 32, 0.1), kernels.attention(strided.contiguous(), 32, 0.1))
+    kernels.set_mode("native")
+    assert kernels.attention(qkv, 32, 0.1) is None
+
+
+def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
+    """Five O2 AdamW steps of a small ViT with 32-wide heads and attn_impl=matmul: with the kernel
+    (every block's attention through it) and without (MatmulAttention), the losses agree to bf16
+    training noise."""
+    from vitrain.train.step import TrainStep, build_grad_scaler
+
+    if not _amx(built):
+        pytest.skip("no AMX-BF16 here: the attention kernel does not run in training")
+
+    def losses_for(use_kernel, monkeypatch_attention):
+        torch.manual_seed(0)
+        model = build_model(
+            "vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=96, attn_impl="matmul"
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
+        step = TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu", "o2"), "bf16", "cpu", 0.0, 1.0, "o2")
+        calls = []
+
+        def attention(*args):
+            out = original(*args) if use_kernel else None
+            calls.append(out is not None)
+            return out
+
+        monkeypatch_attention(attention)
+        torch.manual_seed(1)
+        images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
+        return [step(images, labels)[0].item() for _ in range(5)], sum(calls)
+
+    original = kernels.attention
+    try:
+        explicit, _ = losses_for(False, lambda f: setattr(kernels, "attention", f))
+        fused, calls = losses_for(True, lambda f: setattr(kernels, "attention", f))
+    finally:
+        kernels.attention = original
+    assert calls == 5 * 6  # five steps, six blocks, every one through the kernel
+    assert fused[-1] < fused[0]
+    assert all(abs(a - b) < 0.02 * abs(a) for a, b in zip(explicit, fused, strict=True)), (explicit, fused)

@@ -1,15 +1,17 @@
 """Fused CPU kernels for bf16 training: LayerNorm, GELU, the weight gradients of linear layers, the
-backward of depthwise 3x3 convolutions and the locality FFN's convolution and h-swish.
+backward of depthwise 3x3 convolutions, the locality FFN's convolution and h-swish, and on AMX CPUs
+the attention.
 
-The kernels (``cpu.cpp`` beside this file) are compiled on first use by torch's JIT extension
-loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain
+The kernels (``cpu.cpp`` and ``attention.cpp`` beside this file) are compiled on first use by torch's
+JIT extension loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain
 C++) and cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
 building needs a C++ compiler and ninja (a dependency of the package). If the build fails the
 native PyTorch ops run instead and a warning says why once; ``train.cpu_kernels=fused`` makes the
 failure an error instead.
 
 Where they apply: CPU tensors in bf16 outside autocast, which is what ``precision_mode=o2`` (and
-``full``) run; under autocast, and for DTensors, under ``torch.compile`` and on other devices, the
+``full``) run (the attention also under autocast: its result is what autocast gives); under autocast,
+and for DTensors, under ``torch.compile`` and on other devices, the
 ops are PyTorch's. Measured on a 2-core AMX Xeon (docs/benchmarks.md, "Fused CPU kernels" and
 "Linear weight gradients and GELU by table"):
 
@@ -22,7 +24,10 @@ ops are PyTorch's. Measured on a 2-core AMX Xeon (docs/benchmarks.md, "Fused CPU
 - depthwise 3x3 backward 7.3 ms against 12.6 ms (32 x 1536 x 14 x 14; 19.8 ms in a locality ViT-S
   step, where the input is a view that skips the CLS rows); with the locality FFN's fc1 and h-swish
   in one function (``_LocalityFront``) it also takes the gradient through the h-swish and writes
-  fc1's output gradient in place, so no concatenation is copied either way (step 1.027x).
+  fc1's output gradient in place, so no concatenation is copied either way (step 1.027x);
+- attention on AMX tiles (``_Attention``, ``attention.cpp``), per image and head from the fused qkv
+  projection, forward and backward: ViT-Ti/4 steps 1.09x, locality ViT-S/16 1.1x (docs/benchmarks.md,
+  "Attention on AMX tiles").
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 log = logging.getLogger("vitrain")
 
 Mode = Literal["auto", "fused", "native"]
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp")]  # and common.h
 
 _mode: Mode = "auto"
 _module: ModuleType | None = None
@@ -55,6 +60,7 @@ def _compile_flags(capability: str) -> list[str]:
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}"]
     if capability.startswith("AVX512"):  # what ATen's own AVX512 kernels are compiled with
         flags += ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+        flags += ["-mamx-tile", "-mamx-bf16"]  # the attention's AMX path, taken only where the CPU has AMX
     elif capability == "AVX2":
         flags += ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return flags
@@ -74,7 +80,7 @@ def _build() -> ModuleType:
     capability = "AVX512" if capability.startswith("AVX512") else capability  # AVX512 / AVX2 / DEFAULT
     return cpp_extension.load(
         name=f"vitrain_cpu_kernels_{capability.lower()}",
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=_compile_flags(capability),
         extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("VITRAIN_KERNELS_VERBOSE") == "1",
@@ -112,11 +118,14 @@ def load() -> ModuleType | None:
     return _module
 
 
-def _applies(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """The fused path: enabled, eager, a plain non-empty bf16 CPU tensor, outside autocast."""
+def _applies(x: torch.Tensor, *params: torch.Tensor | None, under_autocast: bool = False) -> bool:
+    """The fused path: enabled, eager, a plain non-empty bf16 CPU tensor, outside autocast (unless the
+    op's result is what autocast would give too: ``under_autocast``)."""
     if _mode == "native" or x.dtype != torch.bfloat16 or x.device.type != "cpu" or type(x) is not torch.Tensor:
         return False
-    if x.numel() == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    if x.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    if torch.is_autocast_enabled("cpu") and not under_autocast:
         return False
     for param in params:  # DTensor parameters (FSDP, TP) take the native ops
         if param is None or param.dtype not in (torch.bfloat16, torch.float32):
@@ -386,3 +395,37 @@ def locality_front(
     ):
         return None
     return _LocalityFront.apply(x, fc1.weight, fc1.bias, conv.weight, conv.bias, grid, prefix)
+
+
+class _Attention(torch.autograd.Function):
+    """softmax(scale q k^T) v per image and head on AMX tiles (``attention.cpp``): from the fused qkv
+    projection's output to the token-major result, float32 scores and softmax, no head-major copies;
+    the backward recomputes the scores, so only qkv is saved."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(qkv)
+        ctx.heads, ctx.scale = heads, scale
+        return _module.attention_forward(qkv, heads, scale, False)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (qkv,) = ctx.saved_tensors
+        return _module.attention_backward(grad_out.contiguous(), qkv, ctx.heads, ctx.scale, False), None, None
+
+
+MAX_ATTENTION_TOKENS = 2048
+"""Beyond this the backward's per-thread scratch (two N x N bf16 matrices) leaves L2 far behind; the
+explicit or SDPA attention runs instead."""
+
+
+def attention(qkv: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor | None:
+    """``softmax(scale q k^T) v`` for all heads from the fused ``(B, N, 3 * heads * head_dim)`` qkv to
+    ``(B, N, heads * head_dim)``, by the AMX kernel where it applies (bf16 CPU tensors, with or without
+    autocast; head_dim a multiple of 32; at most ``MAX_ATTENTION_TOKENS`` tokens; a CPU with AMX-BF16),
+    else None. Scores and softmax are float32, so it also meets ``model.attn_softmax_fp32``."""
+    if qkv.dim() != 3 or head_dim % 32 or qkv.shape[-1] % (3 * head_dim) or qkv.shape[1] > MAX_ATTENTION_TOKENS:
+        return None
+    if not _applies(qkv, under_autocast=True) or not _module.attention_amx_available():
+        return None
+    return _Attention.apply(qkv.contiguous(), qkv.shape[-1] // (3 * head_dim), scale)

@@ -12,75 +12,16 @@
 // dimension), row statistics are float32; per-column sums are accumulated per thread in float32 and
 // reduced at the end.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include "common.h"
 
 #include <algorithm>
 #include <optional>
 #include <cmath>
 #include <vector>
 
+using namespace vitrain_kernels;
+
 namespace {
-
-using at::vec::Vectorized;
-using fVec = Vectorized<float>;
-using BF = c10::BFloat16;
-constexpr int64_t kF = fVec::size();
-
-inline fVec load_bf16(const BF* p, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                        : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  __m512 out;
-  at::vec::cvtbf16_fp32(raw, out);
-  return fVec(out);
-#else
-  float buf[kF] = {0};
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-  return fVec::loadu(buf);
-#endif
-}
-
-// Round to nearest even, as PyTorch's own bf16 conversions do.
-inline void store_bf16(BF* p, const fVec& v, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m256i raw = at::vec::cvtfp32_bf16(__m512(v));
-  if (n == kF) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), raw);
-  } else {
-    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), raw);
-  }
-#else
-  float buf[kF];
-  v.store(buf);
-  for (int64_t i = 0; i < n; ++i) p[i] = BF(buf[i]);
-#endif
-}
-
-inline fVec load_f32(const float* p, int64_t n) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
-
-inline void store_f32(float* p, const fVec& v, int64_t n) {
-  if (n == kF) {
-    v.store(p);
-  } else {
-    v.store(p, n);
-  }
-}
-
-inline float horizontal_sum(const fVec& v) {
-  float buf[kF];
-  v.store(buf);
-  float sum = 0.f;
-  for (int64_t i = 0; i < kF; ++i) sum += buf[i];
-  return sum;
-}
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
-              " must be a contiguous bf16 CPU tensor, got ", t.scalar_type(), " ", t.device(),
-              t.is_contiguous() ? "" : " (non-contiguous)");
-}
 
 inline fVec load_param(const float* p, int64_t n) { return load_f32(p, n); }
 inline fVec load_param(const BF* p, int64_t n) { return load_bf16(p, n); }
@@ -637,6 +578,12 @@ std::vector<at::Tensor> gelu_backward(const at::Tensor& grad_out, const at::Tens
   return {dh, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
 }
 
+// attention.cpp
+bool attention_amx_available();
+at::Tensor attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate);
+at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, int64_t heads, double scale,
+                              bool emulate);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation");
@@ -646,4 +593,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_backward", &gelu_backward, "the exact GELU's backward for bf16 values, by table");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
   m.def("cat_hardswish", &cat_hardswish, "the locality FFN's concatenation and h-swish in one pass");
+  m.def("attention_amx_available", &attention_amx_available, "whether the AMX attention can run here");
+  m.def("attention_forward", &attention_forward, "softmax(scale q k^T) v per image and head, from fused qkv");
+  m.def("attention_backward", &attention_backward, "the gradient at qkv of attention_forward");
 }

@@ -251,6 +251,10 @@ class Attention(nn.Module):
         batch, tokens, _ = x.shape
         dropout = self.attn_drop if self.training else 0.0
         qkv = self.qkv(x)
+        if self.impl == "matmul" and not dropout:
+            fused = kernels.attention(qkv, self.head_dim, self.scale)  # AMX, float32 softmax; None elsewhere
+            if fused is not None:
+                return self.proj_drop(self.proj(fused))
         if self.impl == "matmul" and not self.softmax_fp32 and not dropout:
             return self.proj_drop(self.proj(MatmulAttention.apply(qkv, self.head_dim, self.scale)))
         # heads inferred (-1): under tensor parallelism each process holds only its share of them

@@ -1,0 +1,77 @@
+// Shared by the kernel sources (cpu.cpp, attention.cpp): bf16 <-> float32 vector loads and stores
+// with ATen's vector types, for whichever ISA the extension is built for.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace vitrain_kernels {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+using BF = c10::BFloat16;
+constexpr int64_t kF = fVec::size();
+
+inline fVec load_bf16(const BF* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                        : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  __m512 out;
+  at::vec::cvtbf16_fp32(raw, out);
+  return fVec(out);
+#else
+  float buf[kF] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return fVec::loadu(buf);
+#endif
+}
+
+// Round to nearest even, as PyTorch's own bf16 conversions do.
+inline void store_bf16(BF* p, const fVec& v, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i raw = at::vec::cvtfp32_bf16(__m512(v));
+  if (n == kF) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), raw);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), raw);
+  }
+#else
+  float buf[kF];
+  v.store(buf);
+  for (int64_t i = 0; i < n; ++i) p[i] = BF(buf[i]);
+#endif
+}
+
+inline fVec load_f32(const float* p, int64_t n) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
+
+inline void store_f32(float* p, const fVec& v, int64_t n) {
+  if (n == kF) {
+    v.store(p);
+  } else {
+    v.store(p, n);
+  }
+}
+
+inline float horizontal_sum(const fVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);  // a tree of shuffles: short rows pay the reduction on every row
+#else
+  float buf[kF];
+  v.store(buf);
+  float sum = 0.f;
+  for (int64_t i = 0; i < kF; ++i) sum += buf[i];
+  return sum;
+#endif
+}
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
+              " must be a contiguous bf16 CPU tensor, got ", t.scalar_type(), " ", t.device(),
+              t.is_contiguous() ? "" : " (non-contiguous)");
+}
+
+}  // namespace vitrain_kernels
