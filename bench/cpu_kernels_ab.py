@@ -8,6 +8,9 @@ One O2 bf16 training step is built as ``vitrain bench`` builds it; then, for ``-
 step after each switch). Alternating within one process cancels the drift of a shared host's speed,
 which between separate processes was as large as the effect (±5 %). Prints ms per step per round and
 the medians.
+
+``--kernel attention`` (or ``linear_gelu``, ``locality_front``: the kernels whose function returns
+None where it does not apply) compares the step with all kernels against all but that one instead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--kernel", choices=["attention", "linear_gelu", "locality_front"], default=None)
     args = parser.parse_args()
 
     settings = BenchSettings(steps=args.steps, warmup=1, repeats=args.rounds)
@@ -42,20 +46,25 @@ def main() -> None:
     images, labels = synthetic_batch(plan)
     if kernels.load() is None:
         raise SystemExit("the fused CPU kernels could not be built here; nothing to compare")
-    times: dict[str, list[float]] = {"native": [], "auto": []}
+    kernel = getattr(kernels, args.kernel) if args.kernel else None
+    arms = {f"without {args.kernel}": "auto", "all": "auto"} if kernel else {"native": "native", "auto": "auto"}
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(args.rounds):
-        for mode, samples in times.items():
-            kernels.set_mode(mode)
+        for arm, samples in times.items():
+            kernels.set_mode(arms[arm])
+            if kernel is not None:
+                setattr(kernels, args.kernel, (lambda *_, **__: None) if arm.startswith("without") else kernel)
             step(images, labels)[0].item()
             start = time.perf_counter()
             for _ in range(args.steps):
                 step(images, labels)[0].item()
             samples.append((time.perf_counter() - start) * 1e3 / args.steps)
-    for mode, samples in times.items():
+    for arm, samples in times.items():
         median = statistics.median(samples)
         rounds = ", ".join(f"{sample:.0f}" for sample in samples)
-        print(f"{mode:7s} {median:8.1f} ms/step median ({rounds}); {args.batch / median * 1e3:.1f} img/s")
-    print(f"auto / native img/s: {statistics.median(times['native']) / statistics.median(times['auto']):.3f}")
+        print(f"{arm:7s} {median:8.1f} ms/step median ({rounds}); {args.batch / median * 1e3:.1f} img/s")
+    base, new = times.keys()
+    print(f"{new} / {base} img/s: {statistics.median(times[base]) / statistics.median(times[new]):.3f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ runs warm-up steps, then times every aten call of ``--steps`` whole steps with a
 (wall clock around each call; on CPU the ops are synchronous). ``torch.profiler`` inflates short
 elementwise ops several fold on the project's VMs; this timer adds about a microsecond per call.
 Prints ms per step by op (and by op and shapes with ``--shapes``), and the share of the step that
-the ops account for (the rest is Python and autograd bookkeeping).
+the ops account for (the rest is Python and autograd bookkeeping). The fused CPU kernels of
+``vitrain.kernels`` run outside the dispatcher; their calls are timed around each call and listed as
+``kernel <name>`` (the ATen ops they call inside, allocations mostly, are listed on their own too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vitrain import kernels
 from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.cli import make_plan
@@ -45,6 +48,25 @@ class OpTimer(TorchDispatchMode):
         self.total[key] += elapsed
         self.calls[key] += 1
         return out
+
+
+class KernelTimer:
+    """Stands in for the compiled kernels module: each function call is timed into ``timer``."""
+
+    def __init__(self, module, timer: OpTimer) -> None:  # noqa: ANN001
+        self.module, self.timer = module, timer
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        function = getattr(self.module, name)
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            out = function(*args, **kwargs)
+            self.timer.total[f"kernel {name}"] += time.perf_counter() - start
+            self.timer.calls[f"kernel {name}"] += 1
+            return out
+
+        return timed
 
 
 def main() -> None:
@@ -76,14 +98,20 @@ def main() -> None:
     untimed_ms = (time.perf_counter() - start) * 1e3 / args.steps
 
     timer = OpTimer(args.shapes)
+    compiled = kernels.load()
+    if compiled is not None:
+        kernels._module = KernelTimer(compiled, timer)
     start = time.perf_counter()
-    with timer:
-        for _ in range(args.steps):
-            step(images, labels)[0].item()
+    try:
+        with timer:
+            for _ in range(args.steps):
+                step(images, labels)[0].item()
+    finally:
+        kernels._module = compiled
     timed_ms = (time.perf_counter() - start) * 1e3 / args.steps
 
     op_ms = sum(timer.total.values()) * 1e3 / args.steps
-    print(f"step {untimed_ms:.1f} ms without the timer, {timed_ms:.1f} ms with it; ops {op_ms:.1f} ms")
+    print(f"step {untimed_ms:.1f} ms without the timer, {timed_ms:.1f} ms with it; ops and kernels {op_ms:.1f} ms")
     print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  op")
     for key, seconds in timer.total.most_common(args.top):
         ms = seconds * 1e3 / args.steps
