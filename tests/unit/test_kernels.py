@@ -371,7 +371,7 @@ def test_depthwise_backward_through_hardswish_and_into_a_token_view(built):
 
 
 def _amx(built) -> bool:
-    return built.attention_amx_available()
+    return built.amx_available()
 
 
 def _reference_attention(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 log = logging.getLogger("vitrain")
 
 Mode = Literal["auto", "fused", "native"]
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp")]  # and common.h
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp")]  # and common.h, tiles.h
 
 _mode: Mode = "auto"
 _module: ModuleType | None = None
@@ -426,6 +426,6 @@ def attention(qkv: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor | 
     else None. Scores and softmax are float32, so it also meets ``model.attn_softmax_fp32``."""
     if qkv.dim() != 3 or head_dim % 32 or qkv.shape[-1] % (3 * head_dim) or qkv.shape[1] > MAX_ATTENTION_TOKENS:
         return None
-    if not _applies(qkv, under_autocast=True) or not _module.attention_amx_available():
+    if not _applies(qkv, under_autocast=True) or not _module.amx_available():
         return None
     return _Attention.apply(qkv.contiguous(), qkv.shape[-1] // (3 * head_dim), scale)

@@ -32,31 +32,6 @@ void check_param(const at::Tensor& t, int64_t columns, const char* name) {
               name, " must be a contiguous float32 or bf16 CPU tensor of ", columns, " elements");
 }
 
-// Column sums accumulated per thread in float32 (one block of `columns` per thread and sum), then
-// reduced into `out` (float32 or bf16, rounded once). No ATen ops: nothing for autograd to record.
-struct ColumnSums {
-  int64_t columns, sums, threads;
-  std::vector<float> partial;
-  ColumnSums(int64_t columns, int64_t sums)
-      : columns(columns), sums(sums), threads(at::get_num_threads()), partial(threads * sums * columns, 0.f) {}
-  float* block(int64_t sum) { return partial.data() + (at::get_thread_num() * sums + sum) * columns; }
-  at::Tensor reduce(int64_t sum, at::ScalarType dtype) const {
-    std::vector<float> total(columns, 0.f);
-    for (int64_t t = 0; t < threads; ++t) {
-      const float* p = partial.data() + (t * sums + sum) * columns;
-      for (int64_t c = 0; c < columns; ++c) total[c] += p[c];
-    }
-    auto out = at::empty({columns}, at::TensorOptions().dtype(dtype));
-    if (dtype == at::kFloat) {
-      std::copy(total.begin(), total.end(), out.data_ptr<float>());
-    } else {
-      BF* o = out.data_ptr<BF>();
-      for (int64_t c = 0; c < columns; ++c) o[c] = BF(total[c]);
-    }
-    return out;
-  }
-};
-
 template <typename W>
 void layer_norm_forward_rows(const BF* xp, const W* wp, const W* bp, BF* yp, float* mp, float* rp, int64_t R, int64_t C,
                              float eps) {
@@ -490,51 +465,6 @@ at::Tensor column_sums(const at::Tensor& g) {
 // result once from float; these round once from the double-precision value. NaN stays NaN, and the
 // infinities map to GELU's limits (0 and x; derivatives 0 and 1).
 
-namespace {
-
-struct GeluTables {
-  std::vector<float> value, derivative;
-  GeluTables() : value(1 << 16), derivative(1 << 16) {
-    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
-      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
-      double y, dy;
-      if (std::isnan(x)) {
-        y = dy = x;
-      } else if (std::isinf(x)) {
-        y = x > 0 ? x : 0.0;
-        dy = x > 0 ? 1.0 : 0.0;
-      } else {
-        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
-        y = x * cdf;
-        dy = cdf + x * pdf;
-      }
-      value[bits] = static_cast<float>(y);
-      derivative[bits] = static_cast<float>(dy);
-    }
-  }
-};
-
-const GeluTables& gelu_tables() {
-  static const GeluTables tables;  // built on first use; thread-safe initialization
-  return tables;
-}
-
-// table[bits of p[0..n)] as floats (lanes past n are zero)
-inline fVec gather(const float* table, const BF* p, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
-                                       _mm512_cvtepu16_epi32(raw), table, 4));
-#else
-  float buf[kF] = {0};
-  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
-  return fVec::loadu(buf);
-#endif
-}
-
-}  // namespace
-
 // The exact GELU of a contiguous bf16 tensor.
 at::Tensor gelu_forward(const at::Tensor& h) {
   check_rows(h, "gelu_forward: h");
@@ -578,8 +508,11 @@ std::vector<at::Tensor> gelu_backward(const at::Tensor& grad_out, const at::Tens
   return {dh, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
 }
 
+namespace vitrain_kernels {
+bool amx_available();  // attention.cpp
+}  // namespace vitrain_kernels
+
 // attention.cpp
-bool attention_amx_available();
 at::Tensor attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate);
 at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, int64_t heads, double scale,
                               bool emulate);
@@ -593,7 +526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_backward", &gelu_backward, "the exact GELU's backward for bf16 values, by table");
   m.def("depthwise_conv3x3_backward", &depthwise_conv3x3_backward, "its input, weight and bias gradients");
   m.def("cat_hardswish", &cat_hardswish, "the locality FFN's concatenation and h-swish in one pass");
-  m.def("attention_amx_available", &attention_amx_available, "whether the AMX attention can run here");
+  m.def("amx_available", &vitrain_kernels::amx_available, "whether the AMX tile kernels can run here");
   m.def("attention_forward", &attention_forward, "softmax(scale q k^T) v per image and head, from fused qkv");
   m.def("attention_backward", &attention_backward, "the gradient at qkv of attention_forward");
 }
