@@ -410,8 +410,8 @@ def test_attention_kernel_matches_float64_and_is_no_worse_than_the_bf16_matmuls(
         pytest.skip("this CPU (or this build of the kernels) has no AMX-BF16; the emulated backend ran the same tiles")
     qkv, grad_out, out64, grad64 = _attention_case(2, tokens, heads, head_dim)
     emulate = backend == "emulated"
-    out = built.attention_forward(qkv, heads, head_dim**-0.5, emulate)
-    grad = built.attention_backward(grad_out, qkv, heads, head_dim**-0.5, emulate)
+    out, stats = built.attention_forward(qkv, heads, head_dim**-0.5, emulate)
+    grad = built.attention_backward(grad_out, qkv, stats, heads, head_dim**-0.5, emulate)
     errors = _relative_errors([out, grad], [out64, grad64])
     assert max(errors) < 2**-7, errors
     x = qkv.clone().requires_grad_()
@@ -426,8 +426,8 @@ def test_attention_kernel_softmax_is_stable_for_large_scores(built):
     so outputs and gradients stay finite and match float64."""
     qkv, grad_out, out64, grad64 = _attention_case(2, 33, 2, 32, spread=30.0)
     for emulate in (True, False) if _amx(built) else (True,):
-        out = built.attention_forward(qkv, 2, 32**-0.5, emulate)
-        grad = built.attention_backward(grad_out, qkv, 2, 32**-0.5, emulate)
+        out, stats = built.attention_forward(qkv, 2, 32**-0.5, emulate)
+        grad = built.attention_backward(grad_out, qkv, stats, 2, 32**-0.5, emulate)
         assert out.isfinite().all() and grad.isfinite().all()
         assert max(_relative_errors([out, grad], [out64, grad64])) < 2**-6
 
@@ -438,8 +438,11 @@ def test_attention_kernel_refuses_bad_shapes_with_the_reason(built):
         built.attention_forward(torch.randn(2, 5, 3 * 2 * 24).to(torch.bfloat16), 2, 1.0, True)
     with pytest.raises(RuntimeError, match=r"must be \(B, N, 3 \* heads \* head_dim\)"):
         built.attention_forward(qkv, 5, 1.0, True)
+    _, stats = built.attention_forward(qkv, 2, 1.0, True)
     with pytest.raises(RuntimeError, match="grad_out must be"):
-        built.attention_backward(torch.randn(2, 5, 32).to(torch.bfloat16), qkv, 2, 1.0, True)
+        built.attention_backward(torch.randn(2, 5, 32).to(torch.bfloat16), qkv, stats, 2, 1.0, True)
+    with pytest.raises(RuntimeError, match="stats must be the forward's"):
+        built.attention_backward(torch.randn(2, 5, 64).to(torch.bfloat16), qkv, stats[:, :1], 2, 1.0, True)
     if not _amx(built):
         with pytest.raises(RuntimeError, match="no AMX-BF16"):
             built.attention_forward(qkv, 2, 1.0, False)

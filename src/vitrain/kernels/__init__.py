@@ -399,19 +399,22 @@ def locality_front(
 
 class _Attention(torch.autograd.Function):
     """softmax(scale q k^T) v per image and head on AMX tiles (``attention.cpp``): from the fused qkv
-    projection's output to the token-major result, float32 scores and softmax, no head-major copies;
-    the backward recomputes the scores, so only qkv is saved."""
+    projection's output to the token-major result, float32 scores and softmax, no head-major copies.
+    The backward recomputes the scores; besides qkv it keeps one float per query and head (the log of
+    its softmax denominator), not the probabilities."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(qkv)
+        out, stats = _module.attention_forward(qkv, heads, scale, False)
+        ctx.save_for_backward(qkv, stats)
         ctx.heads, ctx.scale = heads, scale
-        return _module.attention_forward(qkv, heads, scale, False)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (qkv,) = ctx.saved_tensors
-        return _module.attention_backward(grad_out.contiguous(), qkv, ctx.heads, ctx.scale, False), None, None
+        qkv, stats = ctx.saved_tensors
+        grad = _module.attention_backward(grad_out.contiguous(), qkv, stats, ctx.heads, ctx.scale, False)
+        return grad, None, None
 
 
 MAX_ATTENTION_TOKENS = 2048

@@ -92,8 +92,10 @@ inline float horizontal_max(const fVec& v) {
 // 16 rows of scores (stride width, a multiple of 16; columns from `valid` on ignored) -> the softmax's
 // numerators e = exp(scale (s - max of the row)) in place, zero from column `valid` on, and their row
 // sums into `sums` (16 floats). The normalization is left to the caller: it scales the output rows
-// (16 x D), not the probabilities (16 x N).
-void softmax_rows(float* s, int64_t width, int64_t valid, float scale, float* sums) {
+// (16 x D), not the probabilities (16 x N). `stats` (the first `rows` of them) receive each row's
+// log2 of its softmax denominator, scale * max * log2(e) + log2(sum), so that the backward gets the
+// probabilities in one pass: P = 2^(scale s log2(e) - stat).
+void softmax_rows(float* s, int64_t width, int64_t valid, float scale, float* sums, float* stats, int64_t rows) {
   const fVec lowest(-std::numeric_limits<float>::infinity()), zero(0.f);
   const fVec factor(scale * static_cast<float>(M_LOG2E));  // exp(scale x) = 2^(x scale log2 e)
   for (int64_t m = 0; m < kTile; ++m) {
@@ -103,37 +105,33 @@ void softmax_rows(float* s, int64_t width, int64_t valid, float scale, float* su
       const fVec v = fVec::loadu(row + c);
       top = maximum(top, valid - c < kF ? fVec::set(lowest, v, valid - c) : v);
     }
-    const fVec shift = fVec(horizontal_max(top)) * factor;
+    const float shift = horizontal_max(top) * scale * static_cast<float>(M_LOG2E);
     fVec sum = zero;
     for (int64_t c = 0; c < width; c += kF) {
-      fVec e = exp2_for_softmax(fmsub(fVec::loadu(row + c), factor, shift));
+      fVec e = exp2_for_softmax(fmsub(fVec::loadu(row + c), factor, fVec(shift)));
       if (valid - c < kF) e = valid > c ? fVec::set(zero, e, valid - c) : zero;
       sum = sum + e;
       e.store(row + c);
     }
     sums[m] = horizontal_sum(sum);
+    if (m < rows) stats[m] = shift + std::log2(sums[m]);
   }
 }
 
-// Transposed scores of a query tile, `padded` rows (keys) of 16 float32 lanes (queries): the softmax
-// down the rows of each lane -> numerators e = exp(scale (s - max over the first `valid` rows)) in
-// place, zero from row `valid` on, and their sums per lane into `sums` (16 floats). The normalization is
-// left to the caller: the forward scales its output (D x 16), not the probabilities (N x 16).
-void softmax_columns(float* s, int64_t padded, int64_t valid, float scale, float* sums) {
-  const fVec lowest(-std::numeric_limits<float>::infinity()), zero(0.f);
-  const fVec factor(scale * static_cast<float>(M_LOG2E));  // exp(scale x) = 2^(x scale log2 e)
+// Transposed scores of a query tile, `padded` rows (keys) of 16 float32 lanes (queries) -> the
+// probabilities P^T = 2^(scale s log2(e) - stat) in place, from the forward's `stats` of the tile's
+// `queries` (lanes past them, padding, are zero), zero from key row `valid` on.
+void probabilities_columns(float* s, int64_t padded, int64_t valid, float scale, const float* stats, int64_t queries) {
+  const fVec zero(0.f), factor(scale * static_cast<float>(M_LOG2E));
   for (int64_t v = 0; v < kTile; v += kF) {
-    fVec top[2] = {lowest, lowest}, sum[2] = {zero, zero};  // two chains: latency, not throughput, binds one
-    for (int64_t r = 0; r < valid; ++r) top[r & 1] = maximum(top[r & 1], fVec::loadu(s + r * kTile + v));
-    const fVec shift = maximum(top[0], top[1]) * factor;
+    const int64_t lanes = std::clamp<int64_t>(queries - v, 0, kF);
+    const fVec stat = lanes == kF ? fVec::loadu(stats + v) : fVec::loadu(stats + v, lanes);
     for (int64_t r = 0; r < valid; ++r) {
       float* row = s + r * kTile + v;
-      const fVec e = exp2_for_softmax(fmsub(fVec::loadu(row), factor, shift));
-      sum[r & 1] = sum[r & 1] + e;
-      e.store(row);
+      const fVec prob = exp2_for_softmax(fmsub(fVec::loadu(row), factor, stat));
+      (lanes == kF ? prob : fVec::set(zero, prob, lanes)).store(row);
     }
     for (int64_t r = valid; r < padded; ++r) zero.store(s + r * kTile + v);
-    (sum[0] + sum[1]).store(sums + v);
   }
 }
 
@@ -177,7 +175,7 @@ struct ForwardScratch {
 };
 
 template <class T>
-void forward_item(const Problem& p, const BF* qkv, BF* out, ForwardScratch& w) {
+void forward_item(const Problem& p, const BF* qkv, BF* out, float* stats, ForwardScratch& w) {
   const int64_t ld = p.ld_qkv(), D = p.D, N = p.N;
   const BF *q = qkv, *k = q + p.H * D, *v = k + p.H * D;
   for (int64_t j = 0; j < p.tiles; ++j) {
@@ -195,7 +193,7 @@ void forward_item(const Problem& p, const BF* qkv, BF* out, ForwardScratch& w) {
       lda = D;
     }
     row_product<T>(a, lda, w.keys, D / kDepth, p.tiles, w.scores, p.padded);
-    softmax_rows(w.scores, p.padded, N, p.scale, w.sums);
+    softmax_rows(w.scores, p.padded, N, p.scale, w.sums, stats + first, rows);
     T::Rounding::convert_rows(w.scores, p.padded, p.padded, kTile, w.probs, p.reduction);
     row_product<T>(w.probs, p.reduction, w.values, p.reduction / kDepth, D / kTile, w.out, D);
     for (int64_t m = 0; m < rows; ++m) {
@@ -207,20 +205,19 @@ void forward_item(const Problem& p, const BF* qkv, BF* out, ForwardScratch& w) {
 }
 
 struct BackwardScratch {
-  BF *keys, *values;                   // K and V, zero-padded: padded x D
+  BF *keys, *values;                   // the last 16 rows of K and V when partial, zero-padded: 16 x D
   BF* keys_t;                          // K^T: D x reduction
   uint32_t *query_pairs, *grad_pairs;  // Q's and dO's rows in pairs: [reduction / 32][D / 16]
   BF *probs_t, *dscores_t;             // P^T and dS^T over all queries: padded x reduction
   uint32_t *queries, *grads;           // the tile's Q and dO rows, transposed as B tiles: [D / 32]
   float *scores, *dprobs;              // the tile's S^T (then P^T) and dP^T (then dS^T): padded x 16
-  float* sums;                         // the softmax's sums: 16
   uint32_t* dscores;                   // the tile's dS^T, key rows in pairs: [reduction / 32]
   float* acc;                          // dQ^T (D x 16), or 16 rows of dK or dV (16 x D)
   float* staging;                      // 16 x D
 
   BackwardScratch(Arena& a, const Problem& p)
-      : keys(a.take<BF>(p.padded * p.D)),
-        values(a.take<BF>(p.padded * p.D)),
+      : keys(a.take<BF>(kTile * p.D)),
+        values(a.take<BF>(kTile * p.D)),
         keys_t(a.take<BF>(p.D * p.reduction)),
         query_pairs(a.take<uint32_t>(p.reduction / 2 * p.D)),
         grad_pairs(a.take<uint32_t>(p.reduction / 2 * p.D)),
@@ -230,32 +227,36 @@ struct BackwardScratch {
         grads(a.take<uint32_t>(p.D / kDepth * kTileWords)),
         scores(a.take<float>(p.padded * kTile)),
         dprobs(a.take<float>(p.padded * kTile)),
-        sums(a.take<float>(kTile)),
         dscores(a.take<uint32_t>(p.reduction / kDepth * kTileWords)),
         acc(a.take<float>(kTile * p.D)),
         staging(a.take<float>(kTile * p.D)) {}
 };
 
+// C (padded x 16) = M X^T for the item's K or V rows M (stride ld; whole tiles read where they lie,
+// the last partial one from its zero-padded copy) and a query tile's X packed transposed.
+template <class T>
+void keys_times(const Problem& p, const BF* rows, int64_t ld, const BF* last, const uint32_t* x, float* c) {
+  const int64_t whole = p.N / kTile, depth = p.D / kDepth;
+  if (whole > 0) column_product<T>(rows, ld, whole, x, depth, c);
+  if (whole < p.tiles) column_product<T>(last, p.D, 1, x, depth, c + whole * kTileWords);
+}
+
 // A tile of 16 queries: its dQ, and its columns of P^T and dS^T for dK and dV.
 template <class T>
-void backward_query_tile(const Problem& p, const BF* q, const BF* grad, BF* dq, int64_t i, BackwardScratch& w) {
+void backward_query_tile(const Problem& p, const BF* qkv, const BF* grad, const float* stats, BF* dq, int64_t i,
+                         BackwardScratch& w) {
   const int64_t ld = p.ld_qkv(), D = p.D, first = i * kTile, rows = std::min(kTile, p.N - first);
+  const BF *q = qkv, *k = q + p.H * D, *v = k + p.H * D;
   pack_transposed(q + first * ld, ld, rows, D / kDepth, 1, w.queries);
   pack_transposed(grad + first * p.ld_out(), p.ld_out(), rows, D / kDepth, 1, w.grads);
-  column_product<T>(w.keys, D, p.tiles, w.queries, D / kDepth, w.scores);
-  softmax_columns(w.scores, p.padded, p.N, p.scale, w.sums);
-  column_product<T>(w.values, D, p.tiles, w.grads, D / kDepth, w.dprobs);
+  keys_times<T>(p, k, ld, w.keys, w.queries, w.scores);
+  probabilities_columns(w.scores, p.padded, p.N, p.scale, stats + first, rows);
+  keys_times<T>(p, v, ld, w.values, w.grads, w.dprobs);
   const fVec scale(p.scale), zero(0.f);
   for (int64_t c = 0; c < kTile; c += kF) {
-    // P = e / sum on the tile's queries, 0 on its padding (so that those add nothing to dK and dV)
-    const int64_t real = std::clamp<int64_t>(rows - c, 0, kF);
-    const fVec inverse = fVec::set(zero, fVec(1.f) / fVec::loadu(w.sums + c), real);
     fVec dot[2] = {zero, zero};
     for (int64_t r = 0; r < p.padded; ++r) {
-      float* prob = w.scores + r * kTile + c;
-      const fVec pv = fVec::loadu(prob) * inverse;
-      pv.store(prob);
-      dot[r & 1] = fmadd(pv, fVec::loadu(w.dprobs + r * kTile + c), dot[r & 1]);
+      dot[r & 1] = fmadd(fVec::loadu(w.scores + r * kTile + c), fVec::loadu(w.dprobs + r * kTile + c), dot[r & 1]);
     }
     const fVec rowsum = dot[0] + dot[1];  // rowsum(P dP) of each query
     for (int64_t r = 0; r < p.padded; ++r) {  // dS = P (dP - rowsum(P dP)) * scale
@@ -271,18 +272,18 @@ void backward_query_tile(const Problem& p, const BF* q, const BF* grad, BF* dq, 
 }
 
 template <class T>
-void backward_item(const Problem& p, const BF* qkv, const BF* grad, BF* dqkv, BackwardScratch& w) {
-  const int64_t ld = p.ld_qkv(), D = p.D, N = p.N, offset = p.H * D;
+void backward_item(const Problem& p, const BF* qkv, const BF* grad, const float* stats, BF* dqkv, BackwardScratch& w) {
+  const int64_t ld = p.ld_qkv(), D = p.D, N = p.N, offset = p.H * D, last = (p.tiles - 1) * kTile;
   const BF *q = qkv, *k = q + offset, *v = k + offset;
-  copy_rows(k, ld, N, p.padded, D, w.keys);
-  copy_rows(v, ld, N, p.padded, D, w.values);
+  copy_rows(k + last * ld, ld, N - last, kTile, D, w.keys);
+  copy_rows(v + last * ld, ld, N - last, kTile, D, w.values);
   transpose_into(k, ld, N, D, w.keys_t, p.reduction);
   pack_pairs(q, ld, N, p.reduction / kDepth, D / kTile, w.query_pairs);
   pack_pairs(grad, p.ld_out(), N, p.reduction / kDepth, D / kTile, w.grad_pairs);
   for (BF* t : {w.probs_t, w.dscores_t}) {  // query columns past the last tile, if any, stay zero
     for (int64_t r = 0; r < p.padded; ++r) std::fill(t + r * p.reduction + p.padded, t + (r + 1) * p.reduction, BF(0.f));
   }
-  for (int64_t i = 0; i < p.tiles; ++i) backward_query_tile<T>(p, q, grad, dqkv, i, w);
+  for (int64_t i = 0; i < p.tiles; ++i) backward_query_tile<T>(p, qkv, grad, stats, dqkv, i, w);
   const struct {
     const BF* a;
     const uint32_t* b;
@@ -312,18 +313,21 @@ void for_each_head(const Problem& p, const Item& item) {
   });
 }
 
+// stats: (B, heads, N) float32, one per query (softmax_rows).
 template <class T>
-void forward_all(const Problem& p, const BF* qkv, BF* out) {
+void forward_all(const Problem& p, const BF* qkv, BF* out, float* stats) {
   for_each_head<T, ForwardScratch>(p, [&](int64_t b, int64_t h, ForwardScratch& w) {
-    forward_item<T>(p, qkv + b * p.N * p.ld_qkv() + h * p.D, out + b * p.N * p.ld_out() + h * p.D, w);
+    forward_item<T>(p, qkv + b * p.N * p.ld_qkv() + h * p.D, out + b * p.N * p.ld_out() + h * p.D,
+                    stats + (b * p.H + h) * p.N, w);
   });
 }
 
 template <class T>
-void backward_all(const Problem& p, const BF* qkv, const BF* grad, BF* dqkv) {
+void backward_all(const Problem& p, const BF* qkv, const BF* grad, const float* stats, BF* dqkv) {
   for_each_head<T, BackwardScratch>(p, [&](int64_t b, int64_t h, BackwardScratch& w) {
     const int64_t qkv_offset = b * p.N * p.ld_qkv() + h * p.D;
-    backward_item<T>(p, qkv + qkv_offset, grad + b * p.N * p.ld_out() + h * p.D, dqkv + qkv_offset, w);
+    backward_item<T>(p, qkv + qkv_offset, grad + b * p.N * p.ld_out() + h * p.D, stats + (b * p.H + h) * p.N,
+                     dqkv + qkv_offset, w);
   });
 }
 
@@ -351,42 +355,51 @@ bool amx_available() {
 
 // softmax(scale q k^T) v per image and head: qkv (B, N, 3 * heads * head_dim) bf16 contiguous, laid out
 // (3, heads, head_dim) along the last dimension as a fused projection gives it; head_dim a multiple of
-// 32. Returns (B, N, heads * head_dim) bf16. emulate: the plain C++ tile arithmetic instead of AMX.
-at::Tensor attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate) {
+// 32. Returns the output, (B, N, heads * head_dim) bf16, and per query the log2 of its softmax
+// denominator, (B, heads, N) float32, for the backward. emulate: the plain C++ tile arithmetic.
+std::vector<at::Tensor> attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate) {
   const Problem p = problem_of(qkv, heads, scale, "attention_forward: qkv");
   check_backend(emulate, "attention_forward");
   auto out = at::empty({p.B, p.N, p.H * p.D}, qkv.options());
+  auto stats = at::empty({p.B, p.H, p.N}, qkv.options().dtype(at::kFloat));
   const BF* in = qkv.data_ptr<BF>();
   BF* o = out.data_ptr<BF>();
+  float* st = stats.data_ptr<float>();
 #if VITRAIN_AMX
   if (!emulate) {
-    forward_all<AmxTiles>(p, in, o);
-    return out;
+    forward_all<AmxTiles>(p, in, o, st);
+    return {out, stats};
   }
 #endif
-  forward_all<EmulatedTiles>(p, in, o);
-  return out;
+  forward_all<EmulatedTiles>(p, in, o, st);
+  return {out, stats};
 }
 
-// The gradient at qkv of attention_forward, for grad_out (B, N, heads * head_dim) bf16 contiguous.
-at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, int64_t heads, double scale,
-                              bool emulate) {
+// The gradient at qkv of attention_forward, for grad_out (B, N, heads * head_dim) bf16 contiguous and
+// the forward's stats.
+at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const at::Tensor& stats,
+                              int64_t heads, double scale, bool emulate) {
   const Problem p = problem_of(qkv, heads, scale, "attention_backward: qkv");
   check_rows(grad_out, "attention_backward: grad_out");
   TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == p.B && grad_out.size(1) == p.N &&
                   grad_out.size(2) == p.H * p.D,
               "attention_backward: grad_out must be (B, N, heads * head_dim) = (", p.B, ", ", p.N, ", ", p.H * p.D,
               "), got ", grad_out.sizes());
+  TORCH_CHECK(stats.device().is_cpu() && stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
+                  stats.sizes() == at::IntArrayRef({p.B, p.H, p.N}),
+              "attention_backward: stats must be the forward's contiguous float32 (B, heads, N) = (", p.B, ", ", p.H,
+              ", ", p.N, "), got ", stats.sizes());
   check_backend(emulate, "attention_backward");
   auto dqkv = at::empty_like(qkv);
   const BF *in = qkv.data_ptr<BF>(), *g = grad_out.data_ptr<BF>();
+  const float* st = stats.data_ptr<float>();
   BF* d = dqkv.data_ptr<BF>();
 #if VITRAIN_AMX
   if (!emulate) {
-    backward_all<AmxTiles>(p, in, g, d);
+    backward_all<AmxTiles>(p, in, g, st, d);
     return dqkv;
   }
 #endif
-  backward_all<EmulatedTiles>(p, in, g, d);
+  backward_all<EmulatedTiles>(p, in, g, st, d);
   return dqkv;
 }

@@ -513,9 +513,9 @@ bool amx_available();  // attention.cpp
 }  // namespace vitrain_kernels
 
 // attention.cpp
-at::Tensor attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate);
-at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, int64_t heads, double scale,
-                              bool emulate);
+std::vector<at::Tensor> attention_forward(const at::Tensor& qkv, int64_t heads, double scale, bool emulate);
+at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const at::Tensor& stats,
+                              int64_t heads, double scale, bool emulate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out");
