@@ -7,8 +7,8 @@
 // score tensor going through memory between them: the attention core took 10 ms a layer at ViT-Ti/4
 // (batch 128) and 32 ms at ViT-S/16 (batch 32), forward and backward. Here one (image, head) is one
 // work item whose operands (tens of KiB) stay in L1/L2; scores live in float32 (the accumulators),
-// the softmax runs on rows of 16 queries, and the backward recomputes the scores instead of keeping
-// the probabilities.
+// the softmax runs on rows of 16 queries, and the backward recomputes the probabilities from the
+// scores and one float a query that the forward keeps (the log of its softmax denominator).
 //
 // Products are AMX tiles (tiles.h): C = A B with A read row-major and B packed in pairs of rows.
 // Queries go 16 at a time.
@@ -59,9 +59,9 @@ void copy_rows(const BF* src, int64_t ld, int64_t rows, int64_t total, int64_t D
   std::fill(dst + rows * D, dst + total * D, BF(0.f));
 }
 
-// 2^t for the softmax. Probabilities end in bf16 (8 bits), so ATen's exp_u20 (about 17 instructions,
-// a third of the forward's time) is more than they need: 2^t = 2^floor(t) * q(t - floor(t)) with q a
-// degree-4 least-squares fit of 2^f on [0, 1), within 2.7e-6 of it (relative).
+// 2^t for the softmax. Probabilities end in bf16 (8 bits), so ATen's exp_u20 (about 17 instructions;
+// the softmax was the forward's largest phase) is more than they need: 2^t = 2^floor(t) q(t - floor(t))
+// with q a degree-4 least-squares fit of 2^f on [0, 1), within 2.7e-6 of it (relative).
 inline fVec exp2_for_softmax(const fVec& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = t;

@@ -185,39 +185,61 @@ struct AmxTiles {
 };
 #endif
 
+// Where a run of operand tiles lies: the first at `base`, rows `stride` bytes apart, the next depth
+// step `step` bytes on, the next of the (up to four) operands `next` bytes on.
+struct Tiles {
+  const uint8_t* base;
+  int64_t stride, step, next;
+  const void* at(int64_t s, int64_t k) const { return base + s * step + k * next; }
+};
+
+// Up to four products over `depth` steps sharing one operand tile (loaded once a step into tile 4):
+// accumulator k = shared x others_k when the shared operand is A (a row of C tiles), others_k x shared
+// when it is B (a column). Accumulator k is stored at c + k * c_next floats, rows c_stride bytes apart.
+template <class T, bool shared_is_a>
+void shared_products(int64_t n, int64_t depth, const Tiles& shared, const Tiles& others, float* c, int64_t c_next,
+                     int64_t c_stride) {
+  constexpr int a5 = shared_is_a ? 4 : 5, a6 = shared_is_a ? 4 : 6, a7 = shared_is_a ? 4 : 7;
+  constexpr int b5 = shared_is_a ? 5 : 4, b6 = shared_is_a ? 6 : 4, b7 = shared_is_a ? 7 : 4;
+  T::template zero<0>();
+  if (n > 1) T::template zero<1>();
+  if (n > 2) T::template zero<2>();
+  if (n > 3) T::template zero<3>();
+  for (int64_t s = 0; s < depth; ++s) {
+    T::template load<4>(shared.at(s, 0), shared.stride);
+    T::template load<5>(others.at(s, 0), others.stride);
+    T::template dot<0, a5, b5>();
+    if (n > 1) {
+      T::template load<6>(others.at(s, 1), others.stride);
+      T::template dot<1, a6, b6>();
+    }
+    if (n > 2) {
+      T::template load<7>(others.at(s, 2), others.stride);
+      T::template dot<2, a7, b7>();
+    }
+    if (n > 3) {
+      T::template load<5>(others.at(s, 3), others.stride);
+      T::template dot<3, a5, b5>();
+    }
+  }
+  T::template store<0>(c, c_stride);
+  if (n > 1) T::template store<1>(c + c_next, c_stride);
+  if (n > 2) T::template store<2>(c + 2 * c_next, c_stride);
+  if (n > 3) T::template store<3>(c + 3 * c_next, c_stride);
+}
+
+inline const uint8_t* bytes_of(const void* p) { return static_cast<const uint8_t*>(p); }
+
 // C (16 rows x 16 * blocks float32, row stride ldc) = A (16 rows x 32 * depth bf16, row stride lda)
 // times B, packed as tiles [depth][blocks]. Up to four accumulators at a time, sharing A's tile.
 template <class T>
 void row_product(const BF* a, int64_t lda, const uint32_t* b, int64_t depth, int64_t blocks, float* c, int64_t ldc) {
-  const int64_t a_stride = lda * static_cast<int64_t>(sizeof(BF)), c_stride = ldc * static_cast<int64_t>(sizeof(float));
+  constexpr int64_t tile_bytes = kTileWords * sizeof(uint32_t);
+  const Tiles shared{bytes_of(a), lda * static_cast<int64_t>(sizeof(BF)), kRowBytes, 0};
   for (int64_t j = 0; j < blocks; j += 4) {
-    const int64_t n = std::min<int64_t>(4, blocks - j);
-    T::template zero<0>();
-    if (n > 1) T::template zero<1>();
-    if (n > 2) T::template zero<2>();
-    if (n > 3) T::template zero<3>();
-    for (int64_t s = 0; s < depth; ++s) {
-      const uint32_t* tile = b + (s * blocks + j) * kTileWords;
-      T::template load<4>(a + s * kDepth, a_stride);
-      T::template load<5>(tile, kRowBytes);
-      T::template dot<0, 4, 5>();
-      if (n > 1) {
-        T::template load<6>(tile + kTileWords, kRowBytes);
-        T::template dot<1, 4, 6>();
-      }
-      if (n > 2) {
-        T::template load<7>(tile + 2 * kTileWords, kRowBytes);
-        T::template dot<2, 4, 7>();
-      }
-      if (n > 3) {
-        T::template load<5>(tile + 3 * kTileWords, kRowBytes);
-        T::template dot<3, 4, 5>();
-      }
-    }
-    T::template store<0>(c + j * kTile, c_stride);
-    if (n > 1) T::template store<1>(c + (j + 1) * kTile, c_stride);
-    if (n > 2) T::template store<2>(c + (j + 2) * kTile, c_stride);
-    if (n > 3) T::template store<3>(c + (j + 3) * kTile, c_stride);
+    const Tiles others{bytes_of(b + j * kTileWords), kRowBytes, blocks * tile_bytes, tile_bytes};
+    shared_products<T, true>(std::min<int64_t>(4, blocks - j), depth, shared, others, c + j * kTile, kTile,
+                             ldc * static_cast<int64_t>(sizeof(float)));
   }
 }
 
@@ -225,36 +247,12 @@ void row_product(const BF* a, int64_t lda, const uint32_t* b, int64_t depth, int
 // stride lda) times B, one column of tiles [depth]. Up to four accumulators at a time, sharing B's tile.
 template <class T>
 void column_product(const BF* a, int64_t lda, int64_t row_tiles, const uint32_t* b, int64_t depth, float* c) {
-  const int64_t a_stride = lda * static_cast<int64_t>(sizeof(BF)), tile_rows = kTile * lda;
-  constexpr int64_t c_stride = kTile * sizeof(float);
+  const int64_t a_stride = lda * static_cast<int64_t>(sizeof(BF));
+  const Tiles shared{bytes_of(b), kRowBytes, kTileWords * sizeof(uint32_t), 0};
   for (int64_t j = 0; j < row_tiles; j += 4) {
-    const int64_t n = std::min<int64_t>(4, row_tiles - j);
-    T::template zero<0>();
-    if (n > 1) T::template zero<1>();
-    if (n > 2) T::template zero<2>();
-    if (n > 3) T::template zero<3>();
-    for (int64_t s = 0; s < depth; ++s) {
-      const BF* tile = a + j * tile_rows + s * kDepth;
-      T::template load<4>(b + s * kTileWords, kRowBytes);
-      T::template load<5>(tile, a_stride);
-      T::template dot<0, 5, 4>();
-      if (n > 1) {
-        T::template load<6>(tile + tile_rows, a_stride);
-        T::template dot<1, 6, 4>();
-      }
-      if (n > 2) {
-        T::template load<7>(tile + 2 * tile_rows, a_stride);
-        T::template dot<2, 7, 4>();
-      }
-      if (n > 3) {
-        T::template load<5>(tile + 3 * tile_rows, a_stride);
-        T::template dot<3, 5, 4>();
-      }
-    }
-    T::template store<0>(c + j * kTileWords, c_stride);
-    if (n > 1) T::template store<1>(c + (j + 1) * kTileWords, c_stride);
-    if (n > 2) T::template store<2>(c + (j + 2) * kTileWords, c_stride);
-    if (n > 3) T::template store<3>(c + (j + 3) * kTileWords, c_stride);
+    const Tiles others{bytes_of(a + j * kTile * lda), a_stride, kRowBytes, kTile * a_stride};
+    shared_products<T, false>(std::min<int64_t>(4, row_tiles - j), depth, shared, others, c + j * kTileWords,
+                              kTileWords, kTile * sizeof(float));
   }
 }
 
