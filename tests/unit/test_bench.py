@@ -278,10 +278,40 @@ def test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_th
     alternatives = rows[3]["alternatives"]
     faster = max(alternatives, key=alternatives.get)
     assert set(alternatives) == {"model.attn_impl=sdpa", "model.attn_impl=matmul"} and rows[3]["chosen"] == faster
-    assert rows[4]["compile"] and rows[5]["precision_mode"] == "o2" and rows[6]["compile"]
-    assert rows[6]["settings"][-2:] == ["train.activation_checkpointing=all", "--compile"]
+    kept = rows[4]["chosen"] is None  # compile stays on only if it measured faster than the rung before
+    assert rows[4]["compile"] and rows[5]["precision_mode"] == "o2" and rows[6]["compile"] == kept
+    assert rows[6]["settings"][-1] == ("--compile" if kept else "train.activation_checkpointing=all")
     assert all(faster in row["settings"] for row in rows[3:])
     assert result["skipped"] == []
+
+
+@pytest.mark.parametrize("compile_pays", [True, False])
+def test_ladder_carries_compile_forward_only_if_it_measured_faster(monkeypatch, compile_pays):
+    """Measurements injected (a real compile's speed depends on the host): compile 1.5x the rung before
+    is kept for the O2 and checkpointing rungs; compile at 0.8x is reported but the later rungs run
+    without it."""
+    import vitrain.bench.ladder as ladder
+
+    calls = []
+
+    def fake_measure(plan, settings):  # noqa: ANN001, ANN202
+        calls.append(settings.compile)
+        factor = (1.5 if compile_pays else 0.8) if settings.compile else 1.0
+        return {"img_s_median": 100.0 * factor, "compile": settings.compile, "peak_memory_bytes": None}
+
+    monkeypatch.setattr(ladder, "measure_training_step", fake_measure)
+    plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
+    rows = ladder.run_ladder(plan_for, settings, ladder.ladder_rungs("bf16", with_attention=False, with_compile=True))[
+        "rungs"
+    ]
+    names = [row["rung"] for row in rows]
+    compiled = rows[names.index("+ torch.compile")]
+    assert compiled["compile"] and compiled["settings"][-1] == "--compile"
+    later = rows[names.index("+ torch.compile") + 1 :]
+    assert [row["compile"] for row in later] == [compile_pays] * 2
+    assert all(("--compile" in row["settings"]) == compile_pays for row in later)
+    assert (compiled["chosen"] is None) == compile_pays
+    assert calls == [False, False, False, True, compile_pays, compile_pays]
 
 
 def test_ladder_reports_a_rung_the_model_cannot_take_and_goes_on(tmp_path, capsys, monkeypatch):

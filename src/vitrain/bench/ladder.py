@@ -3,8 +3,10 @@ the previous rungs' settings and adds one technique; throughput is reported rela
 
 fp32 baseline (for-loop optimizer, SDPA, eager, autocast) -> + low precision (bf16/fp16 autocast)
 -> + fused optimizer -> + attention choice (SDPA and the explicit matmul path both measured, the
-faster kept) -> + torch.compile -> + O2 weights -> + activation checkpointing on every block (a
-memory rung: it trades speed for activation memory).
+faster kept) -> + torch.compile (kept for the next rungs only if it measured faster than the rung
+before: compiled regions take PyTorch's ops where vitrain's fused CPU kernels would run, which on an
+AMX CPU costs more than Inductor's fusion gains) -> + O2 weights -> + activation checkpointing on
+every block (a memory rung: it trades speed for activation memory).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from vitrain.report import pyplot
 
 log = logging.getLogger("vitrain")
 
+NOT_KEPT = "not kept: slower than the rung before"
+
 PlanFor = Callable[[list[str]], Plan]
 """Builds the benchmark plan for extra ``--set`` overrides (the bench flags and recipe underneath)."""
 
@@ -32,6 +36,8 @@ class Rung:
     compile: bool = False
     alternatives: tuple[tuple[str, ...], ...] = ()
     """Settings measured side by side at this rung; the fastest is kept for the next rungs."""
+    keep_if_faster: bool = False
+    """Carried to the next rungs only if this rung measured faster than the one before."""
 
 
 def ladder_rungs(precision: str, with_attention: bool, with_compile: bool) -> list[Rung]:
@@ -44,7 +50,7 @@ def ladder_rungs(precision: str, with_attention: bool, with_compile: bool) -> li
     if with_attention:
         rungs.append(Rung("+ attention choice", alternatives=(("model.attn_impl=sdpa",), ("model.attn_impl=matmul",))))
     if with_compile:
-        rungs.append(Rung("+ torch.compile", compile=True))
+        rungs.append(Rung("+ torch.compile", compile=True, keep_if_faster=True))
     rungs.append(Rung(f"+ {low} O2 weights", ("precision_mode=o2",)))
     rungs.append(Rung("+ activation checkpointing (memory)", ("train.activation_checkpointing=all",)))
     return rungs
@@ -73,11 +79,17 @@ def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) ->
             continue
         extra, record = max(measured, key=lambda pair: pair[1]["img_s_median"])
         kept += extra
+        settings_measured = list(kept) + (["--compile"] if compile_on else [])
+        chosen = " ".join(extra) or None
+        if rung.keep_if_faster and rows and record["img_s_median"] < rows[-1]["img_s_median"]:
+            kept = kept[: len(kept) - len(rung.overrides) - len(extra)]
+            compile_on = compile_on and not rung.compile
+            chosen = NOT_KEPT
         rows.append(
             {
                 "rung": rung.name,
-                "settings": list(kept) + (["--compile"] if compile_on else []),
-                "chosen": " ".join(extra) or None,
+                "settings": settings_measured,
+                "chosen": chosen,
                 "alternatives": {" ".join(e): r["img_s_median"] for e, r in measured} if rung.alternatives else None,
                 **record,
             }
@@ -112,7 +124,7 @@ def plot_ladder(result: dict[str, Any], path: Path, title: str) -> bool:
         return False
     rows = result["rungs"]
     figure, axes = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-    names = [row["rung"] for row in rows][::-1]
+    names = [row["rung"] + (" (not kept)" if row["chosen"] == NOT_KEPT else "") for row in rows][::-1]
     speedups = [row["speedup"] for row in rows][::-1]
     bars = axes.barh(names, speedups, color="tab:blue")
     for bar, value in zip(bars, speedups, strict=True):
