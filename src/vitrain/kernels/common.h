@@ -1,6 +1,5 @@
-// Shared by the kernel sources (cpu.cpp, attention.cpp, linear.cpp): bf16 <-> float32 vector loads and
-// stores with ATen's vector types for whichever ISA the extension is built for, per-thread column sums,
-// the GELU tables.
+// Shared by the kernel sources (cpu.cpp, attention.cpp): bf16 <-> float32 vector loads and stores with
+// ATen's vector types, for whichever ISA the extension is built for.
 #pragma once
 
 #include <torch/extension.h>
@@ -8,9 +7,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace vitrain_kernels {
 
@@ -75,74 +72,6 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
               " must be a contiguous bf16 CPU tensor, got ", t.scalar_type(), " ", t.device(),
               t.is_contiguous() ? "" : " (non-contiguous)");
-}
-
-// Column sums accumulated per thread in float32 (one block of `columns` per thread and sum), then
-// reduced into `out` (float32 or bf16, rounded once). No ATen ops: nothing for autograd to record.
-struct ColumnSums {
-  int64_t columns, sums, threads;
-  std::vector<float> partial;
-  ColumnSums(int64_t columns, int64_t sums)
-      : columns(columns), sums(sums), threads(at::get_num_threads()), partial(threads * sums * columns, 0.f) {}
-  float* block(int64_t sum) { return partial.data() + (at::get_thread_num() * sums + sum) * columns; }
-  at::Tensor reduce(int64_t sum, at::ScalarType dtype) const {
-    std::vector<float> total(columns, 0.f);
-    for (int64_t t = 0; t < threads; ++t) {
-      const float* p = partial.data() + (t * sums + sum) * columns;
-      for (int64_t c = 0; c < columns; ++c) total[c] += p[c];
-    }
-    auto out = at::empty({columns}, at::TensorOptions().dtype(dtype));
-    if (dtype == at::kFloat) {
-      std::copy(total.begin(), total.end(), out.data_ptr<float>());
-    } else {
-      BF* o = out.data_ptr<BF>();
-      for (int64_t c = 0; c < columns; ++c) o[c] = BF(total[c]);
-    }
-    return out;
-  }
-};
-
-// The exact GELU and its derivative for every bf16 input, in float32, from double precision (cpu.cpp's
-// GELU kernels and linear.cpp's epilogues).
-struct GeluTables {
-  std::vector<float> value, derivative;
-  GeluTables() : value(1 << 16), derivative(1 << 16) {
-    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
-      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
-      double y, dy;
-      if (std::isnan(x)) {
-        y = dy = x;
-      } else if (std::isinf(x)) {
-        y = x > 0 ? x : 0.0;
-        dy = x > 0 ? 1.0 : 0.0;
-      } else {
-        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
-        y = x * cdf;
-        dy = cdf + x * pdf;
-      }
-      value[bits] = static_cast<float>(y);
-      derivative[bits] = static_cast<float>(dy);
-    }
-  }
-};
-
-inline const GeluTables& gelu_tables() {
-  static const GeluTables tables;  // built on first use; thread-safe initialization
-  return tables;
-}
-
-// table[bits of p[0..n)] as floats (lanes past n are zero)
-inline fVec gather(const float* table, const BF* p, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
-                                       _mm512_cvtepu16_epi32(raw), table, 4));
-#else
-  float buf[kF] = {0};
-  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
-  return fVec::loadu(buf);
-#endif
 }
 
 }  // namespace vitrain_kernels

@@ -23,6 +23,31 @@ using namespace vitrain_kernels;
 
 namespace {
 
+// Column sums accumulated per thread in float32 (one block of `columns` per thread and sum), then
+// reduced into `out` (float32 or bf16, rounded once). No ATen ops: nothing for autograd to record.
+struct ColumnSums {
+  int64_t columns, sums, threads;
+  std::vector<float> partial;
+  ColumnSums(int64_t columns, int64_t sums)
+      : columns(columns), sums(sums), threads(at::get_num_threads()), partial(threads * sums * columns, 0.f) {}
+  float* block(int64_t sum) { return partial.data() + (at::get_thread_num() * sums + sum) * columns; }
+  at::Tensor reduce(int64_t sum, at::ScalarType dtype) const {
+    std::vector<float> total(columns, 0.f);
+    for (int64_t t = 0; t < threads; ++t) {
+      const float* p = partial.data() + (t * sums + sum) * columns;
+      for (int64_t c = 0; c < columns; ++c) total[c] += p[c];
+    }
+    auto out = at::empty({columns}, at::TensorOptions().dtype(dtype));
+    if (dtype == at::kFloat) {
+      std::copy(total.begin(), total.end(), out.data_ptr<float>());
+    } else {
+      BF* o = out.data_ptr<BF>();
+      for (int64_t c = 0; c < columns; ++c) o[c] = BF(total[c]);
+    }
+    return out;
+  }
+};
+
 inline fVec load_param(const float* p, int64_t n) { return load_f32(p, n); }
 inline fVec load_param(const BF* p, int64_t n) { return load_bf16(p, n); }
 
@@ -487,6 +512,51 @@ at::Tensor column_sums(const at::Tensor& g) {
 // exponentials per element (its backward took 2.3 ms for 8320 x 768, this 1.0 ms), and round each
 // result once from float; these round once from the double-precision value. NaN stays NaN, and the
 // infinities map to GELU's limits (0 and x; derivatives 0 and 1).
+
+namespace {
+
+struct GeluTables {
+  std::vector<float> value, derivative;
+  GeluTables() : value(1 << 16), derivative(1 << 16) {
+    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+      double y, dy;
+      if (std::isnan(x)) {
+        y = dy = x;
+      } else if (std::isinf(x)) {
+        y = x > 0 ? x : 0.0;
+        dy = x > 0 ? 1.0 : 0.0;
+      } else {
+        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
+        y = x * cdf;
+        dy = cdf + x * pdf;
+      }
+      value[bits] = static_cast<float>(y);
+      derivative[bits] = static_cast<float>(dy);
+    }
+  }
+};
+
+const GeluTables& gelu_tables() {
+  static const GeluTables tables;  // built on first use; thread-safe initialization
+  return tables;
+}
+
+// table[bits of p[0..n)] as floats (lanes past n are zero)
+inline fVec gather(const float* table, const BF* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
+                                       _mm512_cvtepu16_epi32(raw), table, 4));
+#else
+  float buf[kF] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
+  return fVec::loadu(buf);
+#endif
+}
+
+}  // namespace
 
 // The exact GELU of a contiguous bf16 tensor.
 at::Tensor gelu_forward(const at::Tensor& h) {

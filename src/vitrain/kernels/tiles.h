@@ -1,4 +1,4 @@
-// AMX tiles for the kernels that multiply small blocks (attention.cpp, linear.cpp): the tile backends
+// AMX tiles for the kernels that multiply small blocks (attention.cpp): the tile backends
 // (AMX, and the same arithmetic in plain C++ for CPUs without it, used by the tests), products of a row
 // or a column of tiles, packing of B operands, 16 x 16 transposes, float32 -> bf16 rounding, scratch.
 //
