@@ -3,16 +3,15 @@ backward of depthwise 3x3 convolutions, the locality FFN's convolution and h-swi
 the attention.
 
 The kernels (``cpu.cpp`` and ``attention.cpp`` beside this file) are compiled on first use by torch's
-JIT extension loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain
-C++) and cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
-building needs a C++ compiler and ninja (a dependency of the package). If the build fails the
-native PyTorch ops run instead and a warning says why once; ``train.cpu_kernels=fused`` makes the
-failure an error instead.
+JIT extension loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512,
+AVX2 or plain C++) and cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``); building needs a C++ compiler and ninja (a dependency of the package).
+If the build fails the native PyTorch ops run instead and a warning says why once;
+``train.cpu_kernels=fused`` makes the failure an error instead.
 
 Where they apply: CPU tensors in bf16 outside autocast, which is what ``precision_mode=o2`` (and
 ``full``) run (the attention also under autocast: its result is what autocast gives); under autocast,
-and for DTensors, under ``torch.compile`` and on other devices, the
-ops are PyTorch's. Measured on a 2-core AMX Xeon (docs/benchmarks.md, "Fused CPU kernels" and
+and for DTensors, under ``torch.compile`` and on other devices, the ops are PyTorch's. Measured on a 2-core AMX Xeon (docs/benchmarks.md, "Fused CPU kernels" and
 "Linear weight gradients and GELU by table"):
 
 - LayerNorm backward 0.45-0.59 ms against PyTorch's 1.30-1.36 ms for 8320 rows of 192, its weight
