@@ -18,8 +18,10 @@ and for DTensors, under ``torch.compile`` and on other devices, the ops are PyTo
   and bias gradients summed in float32 (PyTorch's bf16 kernel: 7-12 % off the largest value);
 - GELU forward and backward by table (a bf16 input has 65536 values): 0.97 and 1.27 ms against
   PyTorch's 1.72 and 3.31 ms for 8320 x 768 (cold caches), exact to double precision before rounding;
-- linear weight gradients from a feature-major copy of the narrower operand (``_Linear``): oneDNN
-  runs ``g^T x`` on a transposed view at half speed; ViT-Ti/4 steps 3 % faster, locality ViT-S 3.7 %;
+- linear layers (``_Linear``): the bias added inside oneDNN's product (``F.linear`` on bf16 adds it
+  in a second pass; ViT-Ti/4 steps 398.5 -> 370.7 ms), and weight gradients from a feature-major copy
+  of one operand (oneDNN runs ``g^T x`` on a transposed view at half speed; ViT-Ti/4 steps 3 % faster,
+  locality ViT-S 3.7 %);
 - depthwise 3x3 backward 7.3 ms against 12.6 ms (32 x 1536 x 14 x 14; 19.8 ms in a locality ViT-S
   step, where the input is a view that skips the CLS rows); with the locality FFN's fc1 and h-swish
   in one function (``_LocalityFront``) it also takes the gradient through the h-swish and writes
@@ -231,26 +233,48 @@ def depthwise_conv3x3(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     return conv(x)
 
 
+def _expands(weight: torch.Tensor) -> bool:
+    """Whether ``_Linear``'s weight gradient copies the layer's input feature-major (a layer that
+    expands by at least 2) rather than its output gradient (every other layer)."""
+    out_features, in_features = weight.shape
+    return out_features >= 2 * in_features
+
+
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; with a bias, oneDNN's linear primitive with the bias inside it where this torch
+    has it (``mkldnn._linear_pointwise``, the op inductor emits on CPU): ``F.linear`` on bf16 adds the
+    bias as a separate pass over the output, 1.22 against 0.82 ms for 8320 x 192 -> 768 (docs/
+    benchmarks.md, "Bias inside the product"). It also adds the bias before rounding to bf16."""
+    if bias is not None and _HAS_LINEAR_POINTWISE:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+_HAS_LINEAR_POINTWISE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 class _Linear(torch.autograd.Function):
-    """``F.linear``'s forward (and optionally the exact GELU after it); a backward whose weight
-    gradient multiplies contiguous operands.
+    """``F.linear``'s forward with the bias inside oneDNN's product (``_dense_linear``), optionally the
+    exact GELU after it; a backward whose weight gradient multiplies contiguous operands.
 
     The weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it at about half
     speed when an operand is a transposed view (6.8 against 3.5 ms for 6304 tokens, 1536 -> 384).
-    The narrower of the two operands is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x
-    384, against 2.3 for PyTorch's copy): with ``g`` narrower (a layer that reduces, fc2) the product
-    is ``gT @ x`` and the copy sums the bias gradient on the way; with ``x`` narrower (one that
-    expands, qkv and fc1) it is ``xT @ g``, whose small (in, out) result is copied back to the
-    weight's layout. Layers within a factor 2 of square keep PyTorch's backward (the copy costs what
-    the product gains; measured in docs/benchmarks.md, "Linear weight gradients"). With the GELU
-    (a ViT FFN's fc1), its backward sums the bias gradient as it writes the pre-activation gradient.
+    One operand is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x 384, against 2.3 for
+    PyTorch's copy). In a layer that expands by at least 2 (qkv, fc1) that is the narrower input
+    ``x``: the product is ``xT @ g``, whose small (in, out) result is copied back to the weight's
+    layout. In every other layer it is ``g``, and the copy sums the bias gradient on the way: the
+    product ``gT @ x`` is in the weight's layout, and oneDNN runs it faster than ``xT @ g`` (1.16
+    against 1.70 ms for 8320 tokens, 192 -> 768). A square layer (192 -> 192) took 0.85 ms with
+    PyTorch's ``g.t() @ x`` and separate bias sums, 0.70 this way (docs/benchmarks.md, "Bias inside
+    the product"). With the GELU (a ViT FFN's fc1), its backward sums the bias gradient as it
+    writes the pre-activation gradient.
     """
 
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expands: bool, gelu: bool
     ) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, weight, bias)
+        out = _dense_linear(x, weight, bias)
         ctx.has_bias, ctx.expands, ctx.gelu = bias is not None, expands, gelu
         if gelu:
             out = out.contiguous()
@@ -293,12 +317,10 @@ def _linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, its weight gradient from feature-major operands where the kernels apply and the
-    layer expands or reduces by at least 2 (``_Linear``)."""
-    out_features, in_features = weight.shape
-    expands, reduces = out_features >= 2 * in_features, 2 * out_features <= in_features
-    if (expands or reduces) and _linear_applies(x, weight, bias):
-        return _Linear.apply(x, weight, bias, expands, False)
+    """``F.linear`` as ``_Linear`` where the kernels apply: the bias added inside oneDNN's product, the
+    weight gradient from a feature-major copy of one operand."""
+    if _linear_applies(x, weight, bias):
+        return _Linear.apply(x, weight, bias, _expands(weight), False)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -307,8 +329,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     caller then runs its own modules, so their hooks, tensor parallelism's among them, still run)."""
     if not _linear_applies(x, weight, bias):
         return None
-    out_features, in_features = weight.shape
-    return _Linear.apply(x, weight, bias, out_features >= 2 * in_features, True)
+    return _Linear.apply(x, weight, bias, _expands(weight), True)
 
 
 class _LocalityFront(torch.autograd.Function):
@@ -325,7 +346,7 @@ class _LocalityFront(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, conv_weight, conv_bias, grid, prefix: int):  # noqa: ANN001
-        u = torch.nn.functional.linear(x, fc1_weight, fc1_bias).contiguous()
+        u = _dense_linear(x, fc1_weight, fc1_bias).contiguous()
         batch, _, hidden = u.shape
         image = u[:, prefix:].reshape(batch, grid[0], grid[1], hidden).permute(0, 3, 1, 2)
         conv_out = torch.nn.functional.conv2d(image, conv_weight, conv_bias, padding=1, groups=hidden)
