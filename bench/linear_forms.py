@@ -40,6 +40,39 @@ def median_ms(function, repeats: int) -> float:  # noqa: ANN001
     return statistics.median(times) * 1e3
 
 
+def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> list[float]:  # noqa: ANN001
+    x = torch.randn(tokens, fan_in).to(torch.bfloat16)
+    weight = (torch.randn(fan_out, fan_in) / fan_in**0.5).to(torch.bfloat16)
+    bias = torch.randn(fan_out).to(torch.bfloat16)
+    g = torch.randn(tokens, fan_out).to(torch.bfloat16)
+    x_t, g_t = x.t().contiguous(), g.t().contiguous()
+
+    def expands() -> None:
+        copied, _ = module.transpose_rows(x, False)
+        module.transpose_rows(copied @ g, False)
+        module.column_sums(g)
+
+    def other() -> None:
+        copied, _ = module.transpose_rows(g, True)
+        copied @ x
+
+    def pytorch() -> None:
+        g.t() @ x
+        g.sum(0)
+
+    return [
+        median_ms(lambda: F.linear(x, weight, bias), repeats),
+        median_ms(lambda: F.linear(x, weight), repeats),
+        median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""), repeats),
+        median_ms(lambda: x_t @ g, repeats),
+        median_ms(lambda: g_t @ x, repeats),
+        median_ms(lambda: g.t() @ x, repeats),
+        median_ms(expands, repeats),
+        median_ms(other, repeats),
+        median_ms(pytorch, repeats),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8320)
@@ -63,36 +96,7 @@ def main() -> None:
         f" {'xT@g':>6} {'gT@x':>6} {'g.t()@x':>7} | {'expands':>7} {'other':>6} {'PyTorch':>7}"
     )
     for name, (fan_in, fan_out) in shapes.items():
-        x = torch.randn(args.tokens, fan_in).to(torch.bfloat16)
-        weight = (torch.randn(fan_out, fan_in) / fan_in**0.5).to(torch.bfloat16)
-        bias = torch.randn(fan_out).to(torch.bfloat16)
-        g = torch.randn(args.tokens, fan_out).to(torch.bfloat16)
-        x_t, g_t = x.t().contiguous(), g.t().contiguous()
-
-        def expands() -> None:
-            copied, _ = module.transpose_rows(x, False)
-            module.transpose_rows(copied @ g, False)
-            module.column_sums(g)
-
-        def other() -> None:
-            copied, _ = module.transpose_rows(g, True)
-            copied @ x
-
-        def pytorch() -> None:
-            g.t() @ x
-            g.sum(0)
-
-        row = [
-            median_ms(lambda: F.linear(x, weight, bias), args.repeats),
-            median_ms(lambda: F.linear(x, weight), args.repeats),
-            median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""), args.repeats),
-            median_ms(lambda: x_t @ g, args.repeats),
-            median_ms(lambda: g_t @ x, args.repeats),
-            median_ms(lambda: g.t() @ x, args.repeats),
-            median_ms(expands, args.repeats),
-            median_ms(other, args.repeats),
-            median_ms(pytorch, args.repeats),
-        ]
+        row = layer_row(module, args.tokens, fan_in, fan_out, args.repeats)
         cells = [f"{v:{w}.2f}" for v, w in zip(row, (10, 8, 8, 6, 6, 7, 7, 6, 7), strict=True)]
         print(
             f"{name:>5} {f'{fan_in}->{fan_out}':>9} | {' '.join(cells[:3])} | {' '.join(cells[3:6])} |"
