@@ -102,6 +102,49 @@ def test_native_path_where_the_kernels_do_not_apply(built):
     assert kernels.layer_norm(bf16, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
 
 
+@pytest.mark.parametrize("width", [192, 100])
+def test_add_layer_norm_is_the_add_and_the_norm_in_one_pass(built, width):
+    """``s = x + branch`` rounds as PyTorch's bf16 add does and the norm is the fused LayerNorm of
+    ``s``, bit for bit; the gradient, the same tensor for both inputs, is within bf16 rounding of a
+    float64 reference in which ``s`` feeds both the norm and the next residual."""
+    torch.manual_seed(0)
+    x, branch = (torch.randn(4, 65, width) * 2).to(torch.bfloat16), torch.randn(4, 65, width).to(torch.bfloat16)
+    norm = LayerNorm(width, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2), norm.bias.normal_(0, 0.2)
+    grad_s, grad_y = torch.randn(x.shape).to(torch.bfloat16), torch.randn(x.shape).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_(), branch.clone().requires_grad_()]
+    s, y = kernels.add_layer_norm(*leaves, norm)
+    assert y.grad_fn.name().endswith("_AddLayerNormBackward")
+    assert torch.equal(s, x + branch)
+    assert torch.equal(y, kernels.layer_norm(x + branch, (width,), norm.weight, norm.bias, 1e-6))
+    dx, dbranch, dweight, dbias = torch.autograd.grad((s, y), (*leaves, norm.weight, norm.bias), (grad_s, grad_y))
+    assert torch.equal(dx, dbranch)
+
+    weight, bias = (p.detach().double().requires_grad_() for p in (norm.weight, norm.bias))
+    x64 = x.double().requires_grad_()
+    s64 = x64 + branch.double()
+    y64 = F.layer_norm(s64, (width,), weight, bias, 1e-6)
+    reference = torch.autograd.grad((s64, y64), (x64, weight, bias), (grad_s.double(), grad_y.double()))
+    errors = _relative_errors((dx, dweight, dbias), reference)
+    assert errors[0] < 2**-7 and errors[1] < 0.01 and errors[2] < 0.01, errors
+
+
+def test_add_layer_norm_leaves_hooked_float32_and_autocast_norms_to_pytorch(built):
+    x, branch = torch.randn(2, 5, 32).to(torch.bfloat16), torch.randn(2, 5, 32).to(torch.bfloat16)
+    norm = LayerNorm(32).to(torch.bfloat16)
+    assert kernels.add_layer_norm(x.requires_grad_(), branch, norm)[1].grad_fn.name().endswith("_AddLayerNormBackward")
+    seen = []
+    hook = norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    s, y = kernels.add_layer_norm(x, branch, norm)
+    hook.remove()
+    assert len(seen) == 1 and seen[0] is y and y.grad_fn.name().endswith("_LayerNormBackward")
+    s, y = kernels.add_layer_norm(x.float(), branch.float(), norm.float())
+    assert torch.equal(s, x.float() + branch.float()) and y.grad_fn.name() == "NativeLayerNormBackward0"
+    kernels.set_mode("native")
+    assert kernels.add_layer_norm(x, branch, norm.bfloat16())[1].grad_fn.name() == "NativeLayerNormBackward0"
+
+
 def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
     """Five O2 AdamW steps of a small ViT with the fused LayerNorms and with PyTorch's: the losses
     agree to bf16 training noise, and the fused path really ran."""

@@ -140,7 +140,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
-        y, mean, rstd = _module.layer_norm_forward(x, weight, bias, eps)
+        y, mean, rstd, _ = _module.layer_norm_forward(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
@@ -149,6 +149,46 @@ class _LayerNorm(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = _module.layer_norm_backward(grad_out.contiguous(), x, mean, rstd, weight)
         return dx, dweight, dbias, None
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    """``s = x + branch`` and ``LayerNorm(s)`` in one pass each way: the residual connection in the
+    middle of a pre-norm block and the norm after it. The backward adds the gradient reaching ``s``
+    past the norm to the norm's input gradient as it writes it, and hands the sum to both inputs."""
+
+    @staticmethod
+    def forward(ctx, x, branch, weight, bias, eps: float):  # noqa: ANN001
+        y, mean, rstd, s = _module.layer_norm_forward(x.contiguous(), weight, bias, eps, branch.contiguous())
+        ctx.save_for_backward(s, weight, mean, rstd)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, grad_s: torch.Tensor | None, grad_y: torch.Tensor | None):
+        s, weight, mean, rstd = ctx.saved_tensors
+        if grad_y is None:
+            return grad_s, grad_s, None, None, None
+        residual = None if grad_s is None else grad_s.contiguous()
+        dx, dweight, dbias = _module.layer_norm_backward(grad_y.contiguous(), s, mean, rstd, weight, residual)
+        return dx, dx, dweight, dbias, None
+
+
+def add_layer_norm(
+    x: torch.Tensor, branch: torch.Tensor, norm: torch.nn.LayerNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + branch`` and ``norm(s)``: one ``_AddLayerNorm`` where the kernels apply (an affine norm
+    over the last dimension, no hooks on it), else the add and the module."""
+    if (
+        len(norm.normalized_shape) == 1
+        and norm.elementwise_affine
+        and norm.bias is not None
+        and branch.shape == x.shape
+        and branch.dtype == x.dtype
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+        and _applies(x, branch, norm.weight, norm.bias)
+    ):
+        return _AddLayerNorm.apply(x, branch, norm.weight, norm.bias, norm.eps)
+    s = x + branch
+    return s, norm(s)
 
 
 def layer_norm(

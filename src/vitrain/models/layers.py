@@ -358,8 +358,9 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x), grid))
+        # the first residual sum and the norm after it in one pass where the fused kernels apply
+        x, normed = kernels.add_layer_norm(x, self.drop_path1(self.attn(self.norm1(x))), self.norm2)
+        return x + self.drop_path2(self.mlp(normed, grid))
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: Grid, num_prefix_tokens: int) -> torch.Tensor:
