@@ -257,7 +257,8 @@ def _linear_grads(function, x, weight, bias, grad_out):
 
 
 @pytest.mark.parametrize(
-    ("in_features", "out_features"), [(48, 192), (192, 48), (33, 100), (100, 33), (64, 64), (100, 150)]
+    ("in_features", "out_features"),
+    [(48, 192), (192, 48), (33, 100), (100, 33), (64, 64), (100, 150), (64, 192), (192, 64)],
 )
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_weight_gradient_from_feature_major_operands_matches_float64(built, in_features, out_features, bias):
@@ -285,6 +286,57 @@ def test_linear_weight_gradient_from_feature_major_operands_matches_float64(buil
         assert torch.equal(fused[0], native[0])
     assert [t.dtype for t in fused] == [torch.bfloat16] * len(fused)
     assert max(_relative_errors(fused, reference)) < 2**-7
+
+
+@pytest.mark.parametrize("backend", ["emulated", "amx"])
+@pytest.mark.parametrize(
+    ("tokens", "out_features", "in_features", "chunk"),
+    [(300, 64, 32, 128), (45, 32, 96, 32), (1000, 96, 64, 0), (7, 32, 32, 64), (520, 192, 64, 256)],
+)
+def test_weight_gradient_tiles_match_float64(built, backend, tokens, out_features, in_features, chunk):
+    """``weight_gradient``: g^T x from token-major operands, summed in float32 and rounded to bf16
+    once, and g's column sums in float32, at token counts that leave partial chunks and partial
+    32-token steps (zero padding) and with every chunk size."""
+    if backend == "amx" and not _amx(built):
+        pytest.skip("this CPU (or this build of the kernels) has no AMX-BF16; the emulated backend ran the same tiles")
+    torch.manual_seed(0)
+    g = torch.randn(tokens, out_features).to(torch.bfloat16)
+    x = (torch.randn(tokens, in_features) * 3).to(torch.bfloat16)
+    dweight, sums = built.weight_gradient(g, x, True, chunk, backend == "emulated")
+    reference = g.double().t() @ x.double()
+    magnitude = g.double().abs().t() @ x.double().abs()
+    assert dweight.dtype == torch.bfloat16 and dweight.shape == (out_features, in_features)
+    assert ((dweight.double() - reference).abs() <= 2**-8 * reference.abs() + 1e-6 * magnitude).all()  # half an ulp
+    assert sums.dtype == torch.float32
+    assert ((sums.double() - g.double().sum(0)).abs() <= 1e-6 * g.double().abs().sum(0)).all()
+    assert built.weight_gradient(g, x, False, chunk, backend == "emulated")[1] is None
+
+
+def test_weight_gradient_refuses_bad_shapes_with_the_reason(built):
+    g, x = torch.randn(40, 64).to(torch.bfloat16), torch.randn(40, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiples of 32, got 48 and 32"):
+        built.weight_gradient(g[:, :48].contiguous(), x, False, 0, True)
+    with pytest.raises(RuntimeError, match="as many rows"):
+        built.weight_gradient(g, x[:39], False, 0, True)
+    with pytest.raises(RuntimeError, match="chunk must be a positive multiple of 32, got 48"):
+        built.weight_gradient(g, x, False, 48, True)
+    with pytest.raises(RuntimeError, match="must be a contiguous bf16 CPU tensor"):
+        built.weight_gradient(g.float(), x, False, 0, True)
+    if not _amx(built):
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            built.weight_gradient(g, x, False, 0, False)
+
+
+def test_linear_takes_the_tiled_weight_gradient_where_widths_allow(built, monkeypatch):
+    if not _amx(built):
+        pytest.skip("this CPU (or this build of the kernels) has no AMX-BF16: the layers copy an operand instead")
+    calls = []
+    original = built.weight_gradient
+    monkeypatch.setattr(built, "weight_gradient", lambda *args: calls.append(args[0].shape) or original(*args))
+    x = torch.randn(3, 20, 64).to(torch.bfloat16).requires_grad_()
+    for weight in (torch.randn(192, 64), torch.randn(96, 64), torch.randn(100, 64)):
+        kernels.linear(x, weight.to(torch.bfloat16).requires_grad_(), None).sum().backward()
+    assert calls == [(60, 192), (60, 96)]  # 100 outputs: not a multiple of 32, the copies instead
 
 
 def test_linear_leaves_float32_autocast_and_other_layouts_to_pytorch(built):

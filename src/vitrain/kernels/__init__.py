@@ -45,7 +45,9 @@ import torch
 log = logging.getLogger("vitrain")
 
 Mode = Literal["auto", "fused", "native"]
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp")]  # and common.h, tiles.h
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "weight_gradient.cpp")
+]  # and common.h, tiles.h
 
 _mode: Mode = "auto"
 _module: ModuleType | None = None
@@ -280,6 +282,13 @@ def _expands(weight: torch.Tensor) -> bool:
     return out_features >= 2 * in_features
 
 
+def _tiled_weight_gradient(weight: torch.Tensor) -> bool:
+    """Whether ``weight_gradient.cpp`` takes the layer's weight gradient: AMX tiles, both widths
+    multiples of 32."""
+    out_features, in_features = weight.shape
+    return out_features % 32 == 0 and in_features % 32 == 0 and _module.amx_available()
+
+
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear``; with a bias, oneDNN's linear primitive with the bias inside it where this torch
     has it (``mkldnn._linear_pointwise``, the op inductor emits on CPU): ``F.linear`` on bf16 adds the
@@ -334,7 +343,11 @@ class _Linear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         bias_pending = ctx.has_bias and dbias is None
-        if ctx.expands:
+        if _tiled_weight_gradient(weight):
+            dweight, sums = _module.weight_gradient(g, rows.contiguous(), bias_pending)
+            if bias_pending:
+                dbias = sums.to(weight.dtype)
+        elif ctx.expands:
             x_t, _ = _module.transpose_rows(rows.contiguous(), False)
             dweight, _ = _module.transpose_rows(x_t @ g, False)
             if bias_pending:

@@ -640,6 +640,10 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& qkv, int64_t heads, 
 at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const at::Tensor& stats,
                               int64_t heads, double scale, bool emulate);
 
+// weight_gradient.cpp
+std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x, bool bias, int64_t chunk,
+                                        bool emulate);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("branch") = py::none());
@@ -654,5 +658,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cat_hardswish", &cat_hardswish, "the locality FFN's concatenation and h-swish in one pass");
   m.def("amx_available", &vitrain_kernels::amx_available, "whether the AMX tile kernels can run here");
   m.def("attention_forward", &attention_forward, "softmax(scale q k^T) v per image and head, from fused qkv");
+  m.def("weight_gradient", &weight_gradient, "a linear layer's weight and bias gradients from token-major g and x",
+        py::arg("g"), py::arg("x"), py::arg("bias"), py::arg("chunk") = 0, py::arg("emulate") = false);
   m.def("attention_backward", &attention_backward, "the gradient at qkv of attention_forward");
 }

@@ -102,6 +102,10 @@ struct EmulatedTiles {
     }
   }
   template <int t>
+  static void load_accumulator(const void* p, int64_t stride) {
+    load<t>(p, stride);
+  }
+  template <int t>
   static void store(void* p, int64_t stride) {
     for (int64_t r = 0; r < kTile; ++r) {
       std::memcpy(static_cast<uint8_t*>(p) + r * stride, registers().bytes[t] + r * kRowBytes, kRowBytes);
@@ -161,6 +165,14 @@ struct AmxTiles {
     if constexpr (t == 7) _tile_loadd(7, p, stride);
   }
   template <int t>
+  static void load_accumulator(const void* p, int64_t stride) {
+    static_assert(t >= 0 && t < 4, "accumulators are tiles 0-3");
+    if constexpr (t == 0) _tile_loadd(0, p, stride);
+    if constexpr (t == 1) _tile_loadd(1, p, stride);
+    if constexpr (t == 2) _tile_loadd(2, p, stride);
+    if constexpr (t == 3) _tile_loadd(3, p, stride);
+  }
+  template <int t>
   static void store(void* p, int64_t stride) {
     static_assert(t >= 0 && t < 4, "accumulators are tiles 0-3");
     if constexpr (t == 0) _tile_stored(0, p, stride);
@@ -172,7 +184,14 @@ struct AmxTiles {
   static void dot() {
     constexpr bool row = a == 4 && ((c == 0 && b == 5) || (c == 1 && b == 6) || (c == 2 && b == 7) || (c == 3 && b == 5));
     constexpr bool column = b == 4 && ((c == 0 && a == 5) || (c == 1 && a == 6) || (c == 2 && a == 7) || (c == 3 && a == 5));
-    static_assert(row || column, "the products row_product and column_product make");
+    // grid_products: A tiles 4, 5 down, B tiles 6, 7 across
+    constexpr bool grid = (c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) ||
+                          (c == 3 && a == 5 && b == 7);
+    static_assert(row || column || grid, "the products row_product, column_product and grid_products make");
+    if constexpr (grid && c == 0) _tile_dpbf16ps(0, 4, 6);
+    if constexpr (grid && c == 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (grid && c == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (grid && c == 3) _tile_dpbf16ps(3, 5, 7);
     if constexpr (row && c == 0) _tile_dpbf16ps(0, 4, 5);
     if constexpr (row && c == 1) _tile_dpbf16ps(1, 4, 6);
     if constexpr (row && c == 2) _tile_dpbf16ps(2, 4, 7);

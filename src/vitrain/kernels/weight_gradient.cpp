@@ -1,0 +1,156 @@
+// A linear layer's weight gradient on AMX tiles, from the token-major tensors autograd holds:
+// dW (out x in) = g^T x, summed over every token, for g (tokens x out) the output gradient and x
+// (tokens x in) the layer's input, with the bias gradient (g's column sums) on the way.
+//
+// Why: oneDNN runs g^T x at about half speed from a transposed view, so the layers copied one operand
+// feature-major first (transpose_rows) and summed the bias gradient in another pass: in a ViT-Ti/4
+// O2 step (batch 128) the products took 74 ms, the copies 28 ms and the sums 9 ms. Here the reduction
+// runs over the tokens as they lie: each thread takes a run of tokens and packs them a chunk at a time
+// into tiles that stay in L2 (x's rows in pairs, which is what a B tile is; g's rows in pairs with
+// each 16 x 16 block of 32-bit pairs transposed, which is what an A tile is), then adds their
+// products into its own float32 copy of dW, two A tiles by two B tiles at a time. The threads' copies
+// are summed and rounded to bf16 once at the end.
+
+#include "tiles.h"
+
+using namespace vitrain_kernels;
+
+namespace {
+
+struct Shape {
+  int64_t tokens, out, in, chunk;  // chunk: tokens packed at a time, a multiple of 32
+  int64_t steps() const { return chunk / kDepth; }
+  int64_t out_tiles() const { return out / kTile; }
+  int64_t in_tiles() const { return in / kTile; }
+};
+
+// A tiles [out / 16][steps] of a chunk of g: tile (o, s) row m holds the pairs (g[32 s + 2 j][16 o + m],
+// g[32 s + 2 j + 1][16 o + m]) for j = 0..15; rows from `rows` on are zero. Adds the rows to `sums`.
+void pack_gradient(const BF* g, int64_t rows, const Shape& p, uint32_t* a, float* sums, uint32_t* pairs) {
+  const int64_t steps = p.steps(), out = p.out;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t o = 0; o < p.out_tiles(); ++o) {
+      for (int64_t j = 0; j < kTile; ++j) {
+        const int64_t r = s * kDepth + 2 * j;
+        const auto* low = r < rows ? reinterpret_cast<const uint16_t*>(g + r * out + o * kTile) : nullptr;
+        const auto* high = r + 1 < rows ? reinterpret_cast<const uint16_t*>(g + (r + 1) * out + o * kTile) : nullptr;
+        store_pairs(low, high, pairs + j * kTile);
+      }
+      transpose16(reinterpret_cast<const float*>(pairs), kTile, kTile,
+                  reinterpret_cast<float*>(a + (o * steps + s) * kTileWords), kTile);
+    }
+  }
+  if (sums == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < out; c += kF) {
+      const int64_t n = std::min(kF, out - c);
+      store_f32(sums + c, load_f32(sums + c, n) + load_bf16(g + r * out + c, n), n);
+    }
+  }
+}
+
+// c (out x in float32, row stride in) += the products of a chunk's tiles, two by two.
+template <class T>
+void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c) {
+  const int64_t steps = p.steps(), in_tiles = p.in_tiles(), stride = p.in * static_cast<int64_t>(sizeof(float));
+  constexpr int64_t tile_bytes = kTileWords * sizeof(uint32_t);
+  for (int64_t o = 0; o < p.out_tiles(); o += 2) {
+    for (int64_t i = 0; i < in_tiles; i += 2) {
+      float* c00 = c + o * kTile * p.in + i * kTile;
+      float* c10 = c00 + kTile * p.in;
+      T::template load_accumulator<0>(c00, stride);
+      T::template load_accumulator<1>(c00 + kTile, stride);
+      T::template load_accumulator<2>(c10, stride);
+      T::template load_accumulator<3>(c10 + kTile, stride);
+      const uint32_t* a0 = a + o * steps * kTileWords;
+      const uint32_t* b0 = b + i * kTileWords;
+      for (int64_t s = 0; s < steps; ++s) {
+        T::template load<4>(a0 + s * kTileWords, kRowBytes);
+        T::template load<5>(a0 + (steps + s) * kTileWords, kRowBytes);
+        T::template load<6>(b0 + s * in_tiles * kTileWords, kRowBytes);
+        T::template load<7>(b0 + (s * in_tiles + 1) * kTileWords, kRowBytes);
+        T::template dot<0, 4, 6>();
+        T::template dot<1, 4, 7>();
+        T::template dot<2, 5, 6>();
+        T::template dot<3, 5, 7>();
+      }
+      T::template store<0>(c00, stride);
+      T::template store<1>(c00 + kTile, stride);
+      T::template store<2>(c10, stride);
+      T::template store<3>(c10 + kTile, stride);
+    }
+  }
+  (void)tile_bytes;
+}
+
+template <class T>
+void weight_gradient_all(const Shape& p, const BF* g, const BF* x, float* partial, float* partial_sums) {
+  const int64_t chunks = (p.tokens + p.chunk - 1) / p.chunk, steps = p.steps();
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t thread = at::get_thread_num();
+    float* c = partial + thread * p.out * p.in;
+    float* sums = partial_sums == nullptr ? nullptr : partial_sums + thread * p.out;
+    Arena arena;
+    uint32_t *a = nullptr, *b = nullptr, *pairs = nullptr;
+    for (int pass = 0; pass < 2; ++pass) {  // measure, then allocate and take (tiles.h)
+      if (pass == 1) arena.allocate();
+      a = arena.take<uint32_t>(p.out_tiles() * steps * kTileWords);
+      b = arena.take<uint32_t>(steps * p.in_tiles() * kTileWords);
+      pairs = arena.take<uint32_t>(kTileWords);
+    }
+    T::configure();
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t first = chunk * p.chunk, rows = std::min(p.chunk, p.tokens - first);
+      pack_gradient(g + first * p.out, rows, p, a, sums, pairs);
+      pack_pairs(x + first * p.in, p.in, rows, steps, p.in_tiles(), b);
+      add_products<T>(a, b, p, c);
+    }
+    T::release();
+  });
+}
+
+}  // namespace
+
+// g (tokens, out) and x (tokens, in): contiguous bf16, out and in multiples of 32. Returns dW = g^T x
+// (out, in) in bf16, summed in float32 and rounded once, and if `bias`, g's column sums in float32
+// (undefined otherwise). chunk: tokens packed at a time (a multiple of 32; 0 for the default).
+// emulate: the plain C++ tile arithmetic.
+std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x, bool bias, int64_t chunk,
+                                        bool emulate) {
+  check_rows(g, "weight_gradient: g");
+  check_rows(x, "weight_gradient: x");
+  TORCH_CHECK(g.dim() == 2 && x.dim() == 2 && g.size(0) == x.size(0),
+              "weight_gradient: g (tokens, out) and x (tokens, in) must be 2-d with as many rows, got ", g.sizes(),
+              " and ", x.sizes());
+  TORCH_CHECK(g.size(1) % 32 == 0 && x.size(1) % 32 == 0,
+              "weight_gradient: out and in features must be multiples of 32, got ", g.size(1), " and ", x.size(1));
+  chunk = chunk == 0 ? 128 : chunk;  // 128-256 measured alike in a step; 128 fastest alone (docs/benchmarks.md)
+  TORCH_CHECK(chunk > 0 && chunk % kDepth == 0, "weight_gradient: chunk must be a positive multiple of 32, got ", chunk);
+  check_backend(emulate, "weight_gradient");
+  const Shape p{g.size(0), g.size(1), x.size(1), chunk};
+  const int64_t threads = at::get_num_threads();
+  auto partial = at::zeros({threads, p.out, p.in}, g.options().dtype(at::kFloat));
+  auto partial_sums = bias ? at::zeros({threads, p.out}, g.options().dtype(at::kFloat)) : at::Tensor();
+  float* sums = bias ? partial_sums.data_ptr<float>() : nullptr;
+#if VITRAIN_AMX
+  if (!emulate) {
+    weight_gradient_all<AmxTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+  } else {
+    weight_gradient_all<EmulatedTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+  }
+#else
+  weight_gradient_all<EmulatedTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+#endif
+  auto dweight = at::empty({p.out, p.in}, g.options());
+  const float* part = partial.data_ptr<float>();
+  BF* dw = dweight.data_ptr<BF>();
+  const int64_t size = p.out * p.in;
+  at::parallel_for(0, size / kF, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      fVec total = fVec::loadu(part + v * kF);
+      for (int64_t t = 1; t < threads; ++t) total = total + fVec::loadu(part + t * size + v * kF);
+      store_bf16(dw + v * kF, total, kF);
+    }
+  });
+  return {dweight, bias ? partial_sums.sum(0) : at::Tensor()};
+}
