@@ -302,14 +302,24 @@ def test_weight_gradient_tiles_match_float64(built, backend, tokens, out_feature
     torch.manual_seed(0)
     g = torch.randn(tokens, out_features).to(torch.bfloat16)
     x = (torch.randn(tokens, in_features) * 3).to(torch.bfloat16)
-    dweight, sums = built.weight_gradient(g, x, True, chunk, backend == "emulated")
+    dweight, sums, untouched = built.weight_gradient(g, x, True, chunk, backend == "emulated")
     reference = g.double().t() @ x.double()
     magnitude = g.double().abs().t() @ x.double().abs()
     assert dweight.dtype == torch.bfloat16 and dweight.shape == (out_features, in_features)
     assert ((dweight.double() - reference).abs() <= 2**-8 * reference.abs() + 1e-6 * magnitude).all()  # half an ulp
     assert sums.dtype == torch.float32
     assert ((sums.double() - g.double().sum(0)).abs() <= 1e-6 * g.double().abs().sum(0)).all()
-    assert built.weight_gradient(g, x, False, chunk, backend == "emulated")[1] is None
+    assert untouched is None and built.weight_gradient(g, x, False, chunk, backend == "emulated")[1] is None
+
+    # after a GELU: the gradient at the layer's output formed chunk by chunk, as gelu_backward forms it
+    h = (torch.randn(tokens, out_features) * 2).to(torch.bfloat16)
+    dweight, sums, dh = built.weight_gradient(g, x, True, chunk, backend == "emulated", gelu_input=h)
+    expected_dh, expected_sums = built.gelu_backward(g, h, True)
+    assert torch.equal(dh, expected_dh)
+    assert ((sums.double() - expected_sums.double()).abs() <= 1e-6 * dh.double().abs().sum(0)).all()
+    reference = dh.double().t() @ x.double()
+    magnitude = dh.double().abs().t() @ x.double().abs()
+    assert ((dweight.double() - reference).abs() <= 2**-8 * reference.abs() + 1e-6 * magnitude).all()
 
 
 def test_weight_gradient_refuses_bad_shapes_with_the_reason(built):
@@ -322,6 +332,8 @@ def test_weight_gradient_refuses_bad_shapes_with_the_reason(built):
         built.weight_gradient(g, x, False, 48, True)
     with pytest.raises(RuntimeError, match="must be a contiguous bf16 CPU tensor"):
         built.weight_gradient(g.float(), x, False, 0, True)
+    with pytest.raises(RuntimeError, match="gelu_input and g differ in shape"):
+        built.weight_gradient(g, x, False, 0, True, gelu_input=x)
     if not _amx(built):
         with pytest.raises(RuntimeError, match="no AMX-BF16"):
             built.weight_gradient(g, x, False, 0, False)
@@ -332,7 +344,9 @@ def test_linear_takes_the_tiled_weight_gradient_where_widths_allow(built, monkey
         pytest.skip("this CPU (or this build of the kernels) has no AMX-BF16: the layers copy an operand instead")
     calls = []
     original = built.weight_gradient
-    monkeypatch.setattr(built, "weight_gradient", lambda *args: calls.append(args[0].shape) or original(*args))
+    monkeypatch.setattr(
+        built, "weight_gradient", lambda *args, **kw: calls.append(args[0].shape) or original(*args, **kw)
+    )
     x = torch.randn(3, 20, 64).to(torch.bfloat16).requires_grad_()
     for weight in (torch.randn(192, 64), torch.randn(96, 64), torch.randn(100, 64)):
         kernels.linear(x, weight.to(torch.bfloat16).requires_grad_(), None).sum().backward()
@@ -388,15 +402,17 @@ def test_gelu_backward_matches_pytorch_on_activations(built):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias):
-    """fc1 and GELU as one ``_Linear``: the GELU's backward sums fc1's bias gradient. Output and all
+@pytest.mark.parametrize("width", [48, 64])
+def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias, width):
+    """fc1 and GELU as one ``_Linear``: the GELU's backward sums fc1's bias gradient (at width 64, on
+    AMX, inside ``weight_gradient``, which also forms the pre-activation gradient). Output and all
     gradients within bf16 rounding of float64; the Mlp takes this path in bf16 and gives what its
     separate modules give."""
     from vitrain.models.layers import Mlp
 
     torch.manual_seed(0)
-    x = torch.randn(4, 33, 48).to(torch.bfloat16)
-    weight = (torch.randn(192, 48) / 48**0.5).to(torch.bfloat16)
+    x = torch.randn(4, 33, width).to(torch.bfloat16)
+    weight = (torch.randn(192, width) / width**0.5).to(torch.bfloat16)
     bias_tensor = torch.randn(192).to(torch.bfloat16) if bias else None
     grad_out = torch.randn(4, 33, 192).to(torch.bfloat16)
     fused = _linear_grads(kernels.linear_gelu, x, weight, bias_tensor, grad_out)
@@ -405,15 +421,15 @@ def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias):
     reference = _linear_grads(lambda *a: F.gelu(F.linear(*a)), *doubles, grad_out.double())
     assert max(_relative_errors(fused, reference)) < 2**-7
 
-    mlp = Mlp(48, 192).to(torch.bfloat16)
+    mlp = Mlp(width, 192).to(torch.bfloat16)
     x.requires_grad_()
     fused_out = mlp(x, (0, 0))
     fc1_node = fused_out.grad_fn.next_functions[0][0]  # fc2's input comes straight from fc1 + GELU
     assert fc1_node.name().endswith("_LinearBackward") and fc1_node.next_functions[0][0].variable is x
-    fused_grads = torch.autograd.grad(fused_out, (x, *mlp.parameters()), grad_out[..., :48])
+    fused_grads = torch.autograd.grad(fused_out, (x, *mlp.parameters()), grad_out[..., :width])
     kernels.set_mode("native")
     native_out = mlp(x, (0, 0))
-    native_grads = torch.autograd.grad(native_out, (x, *mlp.parameters()), grad_out[..., :48])
+    native_grads = torch.autograd.grad(native_out, (x, *mlp.parameters()), grad_out[..., :width])
     assert max(_relative_errors([fused_out, *fused_grads], [native_out.double(), *native_grads])) < 2**-6
 
 

@@ -336,18 +336,21 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, *pre_activation = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        if _tiled_weight_gradient(weight):  # token-major operands, bias sums (and GELU backward) inside
+            gelu_input = pre_activation[0].view(g.shape) if ctx.gelu else None
+            dweight, sums, g_out = _module.weight_gradient(g, rows.contiguous(), ctx.has_bias, gelu_input=gelu_input)
+            g = g_out if ctx.gelu else g
+            dbias = sums.to(weight.dtype) if ctx.has_bias else None
+            dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+            return dx, dweight, dbias, None, None
         dbias = None
         if ctx.gelu:
             g, sums = _module.gelu_backward(g, pre_activation[0].view(g.shape), ctx.has_bias)
             dbias = sums.to(weight.dtype) if ctx.has_bias else None
-        rows = x.reshape(-1, x.shape[-1])
         dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         bias_pending = ctx.has_bias and dbias is None
-        if _tiled_weight_gradient(weight):
-            dweight, sums = _module.weight_gradient(g, rows.contiguous(), bias_pending)
-            if bias_pending:
-                dbias = sums.to(weight.dtype)
-        elif ctx.expands:
+        if ctx.expands:
             x_t, _ = _module.transpose_rows(rows.contiguous(), False)
             dweight, _ = _module.transpose_rows(x_t @ g, False)
             if bias_pending:

@@ -7,6 +7,8 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 #include <cstdint>
 
 namespace vitrain_kernels {
@@ -65,6 +67,49 @@ inline float horizontal_sum(const fVec& v) {
   float sum = 0.f;
   for (int64_t i = 0; i < kF; ++i) sum += buf[i];
   return sum;
+#endif
+}
+
+// The exact (erf) GELU and its derivative at every bf16 value, 65536 floats each, in double precision
+// rounded once (the GELU kernels of cpu.cpp, and weight_gradient.cpp's GELU backward).
+struct GeluTables {
+  std::vector<float> value, derivative;
+  GeluTables() : value(1 << 16), derivative(1 << 16) {
+    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+      double y, dy;
+      if (std::isnan(x)) {
+        y = dy = x;
+      } else if (std::isinf(x)) {
+        y = x > 0 ? x : 0.0;
+        dy = x > 0 ? 1.0 : 0.0;
+      } else {
+        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
+        y = x * cdf;
+        dy = cdf + x * pdf;
+      }
+      value[bits] = static_cast<float>(y);
+      derivative[bits] = static_cast<float>(dy);
+    }
+  }
+};
+
+inline const GeluTables& gelu_tables() {
+  static const GeluTables tables;  // built on first use; thread-safe initialization
+  return tables;
+}
+
+// table[bits of p[0..n)] as floats (lanes past n are zero)
+inline fVec gather(const float* table, const BF* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
+                                       _mm512_cvtepu16_epi32(raw), table, 4));
+#else
+  float buf[kF] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
+  return fVec::loadu(buf);
 #endif
 }
 

@@ -541,52 +541,7 @@ at::Tensor column_sums(const at::Tensor& g) {
 // is a gather, the backward a gather and a multiply. PyTorch's bf16 kernels evaluate erf and two
 // exponentials per element (its backward took 2.3 ms for 8320 x 768, this 1.0 ms), and round each
 // result once from float; these round once from the double-precision value. NaN stays NaN, and the
-// infinities map to GELU's limits (0 and x; derivatives 0 and 1).
-
-namespace {
-
-struct GeluTables {
-  std::vector<float> value, derivative;
-  GeluTables() : value(1 << 16), derivative(1 << 16) {
-    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
-      const double x = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
-      double y, dy;
-      if (std::isnan(x)) {
-        y = dy = x;
-      } else if (std::isinf(x)) {
-        y = x > 0 ? x : 0.0;
-        dy = x > 0 ? 1.0 : 0.0;
-      } else {
-        const double cdf = 0.5 * std::erfc(-x * M_SQRT1_2), pdf = std::exp(-0.5 * x * x) * 0.5 * M_2_SQRTPI * M_SQRT1_2;
-        y = x * cdf;
-        dy = cdf + x * pdf;
-      }
-      value[bits] = static_cast<float>(y);
-      derivative[bits] = static_cast<float>(dy);
-    }
-  }
-};
-
-const GeluTables& gelu_tables() {
-  static const GeluTables tables;  // built on first use; thread-safe initialization
-  return tables;
-}
-
-// table[bits of p[0..n)] as floats (lanes past n are zero)
-inline fVec gather(const float* table, const BF* p, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m256i raw = n == kF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return fVec(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), static_cast<__mmask16>((1u << n) - 1),
-                                       _mm512_cvtepu16_epi32(raw), table, 4));
-#else
-  float buf[kF] = {0};
-  for (int64_t i = 0; i < n; ++i) buf[i] = table[p[i].x];
-  return fVec::loadu(buf);
-#endif
-}
-
-}  // namespace
+// infinities map to GELU's limits (0 and x; derivatives 0 and 1). The tables are in common.h.
 
 // The exact GELU of a contiguous bf16 tensor.
 at::Tensor gelu_forward(const at::Tensor& h) {
@@ -642,7 +597,7 @@ at::Tensor attention_backward(const at::Tensor& grad_out, const at::Tensor& qkv,
 
 // weight_gradient.cpp
 std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x, bool bias, int64_t chunk,
-                                        bool emulate);
+                                        bool emulate, const c10::optional<at::Tensor>& gelu_input);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out",
@@ -659,6 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &vitrain_kernels::amx_available, "whether the AMX tile kernels can run here");
   m.def("attention_forward", &attention_forward, "softmax(scale q k^T) v per image and head, from fused qkv");
   m.def("weight_gradient", &weight_gradient, "a linear layer's weight and bias gradients from token-major g and x",
-        py::arg("g"), py::arg("x"), py::arg("bias"), py::arg("chunk") = 0, py::arg("emulate") = false);
+        py::arg("g"), py::arg("x"), py::arg("bias"), py::arg("chunk") = 0, py::arg("emulate") = false,
+        py::arg("gelu_input") = py::none());
   m.def("attention_backward", &attention_backward, "the gradient at qkv of attention_forward");
 }

@@ -49,24 +49,40 @@ void pack_gradient(const BF* g, int64_t rows, const Shape& p, uint32_t* a, float
   }
 }
 
-// Memory to bring into L2 while the tiles multiply: the next chunk's rows of g, then of x.
+// Memory to bring into L2 while the tiles multiply: the next chunk's rows of each operand.
 struct Prefetch {
-  const char *g, *x;
-  int64_t g_bytes, x_bytes;
+  const char* start[3];
+  int64_t bytes[3];
   void line(int64_t i) const {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    const int64_t at = i * 64;
-    if (at < g_bytes) {
-      _mm_prefetch(g + at, _MM_HINT_T1);
-    } else if (at < g_bytes + x_bytes) {
-      _mm_prefetch(x + (at - g_bytes), _MM_HINT_T1);
+    int64_t at = i * 64;
+    for (int k = 0; k < 3; ++k) {
+      if (at < bytes[k]) {
+        _mm_prefetch(start[k] + at, _MM_HINT_T1);
+        return;
+      }
+      at -= bytes[k];
     }
 #else
     (void)i;
 #endif
   }
-  int64_t lines() const { return (g_bytes + x_bytes + 63) / 64; }
+  int64_t lines() const { return (bytes[0] + bytes[1] + bytes[2] + 63) / 64; }
 };
+
+// The GELU's backward on a chunk's rows: dh = g * GELU'(h), rounded to bf16 into `dh` (the layer's
+// output gradient, returned for its input gradient), its float32 values added to `sums`.
+void gelu_backward_rows(const BF* g, const BF* h, int64_t rows, int64_t width, BF* dh, float* sums) {
+  const float* table = gelu_tables().derivative.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; c += kF) {
+      const int64_t n = std::min(kF, width - c), i = r * width + c;
+      const fVec d = load_bf16(g + i, n) * gather(table, h + i, n);
+      store_bf16(dh + i, d, n);
+      if (sums != nullptr) store_f32(sums + c, load_f32(sums + c, n) + d, n);  // before rounding
+    }
+  }
+}
 
 // c (out x in float32, row stride in) += the products of a chunk's tiles, two by two, spreading the
 // prefetches of the next chunk over the blocks (the packing reads it; in a training step the
@@ -106,8 +122,15 @@ void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c
   }
 }
 
+// The layer's tensors: g (or, with `gelu_input`, the gradient at the GELU's output, g then being
+// written to `g_out`) and x.
+struct Operands {
+  const BF *g, *x, *gelu_input;
+  BF* g_out;
+};
+
 template <class T>
-void weight_gradient_all(const Shape& p, const BF* g, const BF* x, float* partial, float* partial_sums) {
+void weight_gradient_all(const Shape& p, const Operands& t, float* partial, float* partial_sums) {
   const int64_t chunks = (p.tokens + p.chunk - 1) / p.chunk, steps = p.steps();
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t thread = at::get_thread_num();
@@ -124,12 +147,21 @@ void weight_gradient_all(const Shape& p, const BF* g, const BF* x, float* partia
     T::configure();
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t first = chunk * p.chunk, rows = std::min(p.chunk, p.tokens - first);
-      pack_gradient(g + first * p.out, rows, p, a, sums, pairs);
-      pack_pairs(x + first * p.in, p.in, rows, steps, p.in_tiles(), b);
+      const BF* g = t.g + first * p.out;
+      if (t.gelu_input != nullptr) {
+        gelu_backward_rows(g, t.gelu_input + first * p.out, rows, p.out, t.g_out + first * p.out, sums);
+        pack_gradient(t.g_out + first * p.out, rows, p, a, nullptr, pairs);
+      } else {
+        pack_gradient(g, rows, p, a, sums, pairs);
+      }
+      pack_pairs(t.x + first * p.in, p.in, rows, steps, p.in_tiles(), b);
       const int64_t next_rows = std::clamp<int64_t>(p.tokens - first - p.chunk, 0, p.chunk);
-      const Prefetch next{reinterpret_cast<const char*>(g + (first + rows) * p.out),
-                          reinterpret_cast<const char*>(x + (first + rows) * p.in), next_rows * p.out * 2,
-                          next_rows * p.in * 2};
+      const int64_t g_bytes = next_rows * p.out * 2;
+      const Prefetch next{{reinterpret_cast<const char*>(g + rows * p.out),
+                           reinterpret_cast<const char*>(t.x + (first + rows) * p.in),
+                           t.gelu_input == nullptr ? nullptr
+                                                   : reinterpret_cast<const char*>(t.gelu_input + (first + rows) * p.out)},
+                          {g_bytes, next_rows * p.in * 2, t.gelu_input != nullptr ? g_bytes : 0}};
       add_products<T>(a, b, p, c, next);
     }
     T::release();
@@ -140,10 +172,13 @@ void weight_gradient_all(const Shape& p, const BF* g, const BF* x, float* partia
 
 // g (tokens, out) and x (tokens, in): contiguous bf16, out and in multiples of 32. Returns dW = g^T x
 // (out, in) in bf16, summed in float32 and rounded once, and if `bias`, g's column sums in float32
-// (undefined otherwise). chunk: tokens packed at a time (a multiple of 32; 0 for the default).
-// emulate: the plain C++ tile arithmetic.
+// (undefined otherwise). With `gelu_input` h (tokens, out), the layer is followed by the exact GELU and
+// g is the gradient at its output: the gradient at the layer's output, g * GELU'(h) rounded to bf16,
+// is formed chunk by chunk and returned third (its sums taken before rounding, as gelu_backward's).
+// chunk: tokens packed at a time (a multiple of 32; 0 for the default). emulate: the plain C++ tile
+// arithmetic.
 std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x, bool bias, int64_t chunk,
-                                        bool emulate) {
+                                        bool emulate, const c10::optional<at::Tensor>& gelu_input) {
   check_rows(g, "weight_gradient: g");
   check_rows(x, "weight_gradient: x");
   TORCH_CHECK(g.dim() == 2 && x.dim() == 2 && g.size(0) == x.size(0),
@@ -153,20 +188,29 @@ std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x
               "weight_gradient: out and in features must be multiples of 32, got ", g.size(1), " and ", x.size(1));
   chunk = chunk == 0 ? 128 : chunk;  // 128-256 measured alike in a step; 128 fastest alone (docs/benchmarks.md)
   TORCH_CHECK(chunk > 0 && chunk % kDepth == 0, "weight_gradient: chunk must be a positive multiple of 32, got ", chunk);
+  at::Tensor g_out;
+  if (gelu_input.has_value()) {
+    check_rows(*gelu_input, "weight_gradient: gelu_input");
+    TORCH_CHECK(gelu_input->sizes() == g.sizes(), "weight_gradient: gelu_input and g differ in shape");
+    g_out = at::empty_like(g);
+  }
   check_backend(emulate, "weight_gradient");
   const Shape p{g.size(0), g.size(1), x.size(1), chunk};
   const int64_t threads = at::get_num_threads();
   auto partial = at::zeros({threads, p.out, p.in}, g.options().dtype(at::kFloat));
   auto partial_sums = bias ? at::zeros({threads, p.out}, g.options().dtype(at::kFloat)) : at::Tensor();
   float* sums = bias ? partial_sums.data_ptr<float>() : nullptr;
+  const Operands operands{g.data_ptr<BF>(), x.data_ptr<BF>(),
+                          gelu_input.has_value() ? gelu_input->data_ptr<BF>() : nullptr,
+                          gelu_input.has_value() ? g_out.data_ptr<BF>() : nullptr};
 #if VITRAIN_AMX
   if (!emulate) {
-    weight_gradient_all<AmxTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+    weight_gradient_all<AmxTiles>(p, operands, partial.data_ptr<float>(), sums);
   } else {
-    weight_gradient_all<EmulatedTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+    weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums);
   }
 #else
-  weight_gradient_all<EmulatedTiles>(p, g.data_ptr<BF>(), x.data_ptr<BF>(), partial.data_ptr<float>(), sums);
+  weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums);
 #endif
   auto dweight = at::empty({p.out, p.in}, g.options());
   const float* part = partial.data_ptr<float>();
@@ -179,5 +223,5 @@ std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x
       store_bf16(dw + v * kF, total, kF);
     }
   });
-  return {dweight, bias ? partial_sums.sum(0) : at::Tensor()};
+  return {dweight, bias ? partial_sums.sum(0) : at::Tensor(), g_out};
 }
