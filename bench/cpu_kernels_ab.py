@@ -9,8 +9,10 @@ step after each switch). Alternating within one process cancels the drift of a s
 which between separate processes was as large as the effect (±5 %). Prints ms per step per round and
 the medians.
 
-``--kernel attention`` (or ``linear_gelu``, ``locality_front``: the kernels whose function returns
-None where it does not apply) compares the step with all kernels against all but that one instead.
+``--kernel NAME`` compares the step with all kernels against all but that one instead: ``attention``,
+``linear_gelu``, ``locality_front`` (their functions return None, so the modules run),
+``weight_gradient`` (the linear layers copy an operand feature-major and run oneDNN's product),
+``add_layer_norm`` (the residual add and the norm apart), ``bias_in_product`` (``F.linear``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,22 @@ from vitrain.config import Config, build_config
 from vitrain.train.loop import build_training_step
 
 
+def _separate_add_layer_norm(x, branch, norm):  # noqa: ANN001, ANN202
+    s = x + branch
+    return s, norm(s)
+
+
+# what each --kernel switch sets in vitrain.kernels, and to what, for the arm without it
+SWITCHES = {
+    "attention": ("attention", lambda *_, **__: None),
+    "linear_gelu": ("linear_gelu", lambda *_, **__: None),
+    "locality_front": ("locality_front", lambda *_, **__: None),
+    "weight_gradient": ("_tiled_weight_gradient", lambda weight: False),
+    "add_layer_norm": ("add_layer_norm", _separate_add_layer_norm),
+    "bias_in_product": ("_HAS_LINEAR_POINTWISE", False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -35,7 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--kernel", choices=["attention", "linear_gelu", "locality_front"], default=None)
+    parser.add_argument("--kernel", choices=sorted(SWITCHES), default=None)
     args = parser.parse_args()
 
     settings = BenchSettings(steps=args.steps, warmup=1, repeats=args.rounds)
@@ -46,14 +64,15 @@ def main() -> None:
     images, labels = synthetic_batch(plan)
     if kernels.load() is None:
         raise SystemExit("the fused CPU kernels could not be built here; nothing to compare")
-    kernel = getattr(kernels, args.kernel) if args.kernel else None
-    arms = {f"without {args.kernel}": "auto", "all": "auto"} if kernel else {"native": "native", "auto": "auto"}
+    attribute, off = SWITCHES[args.kernel] if args.kernel else (None, None)
+    kernel = getattr(kernels, attribute) if attribute else None
+    arms = {f"without {args.kernel}": "auto", "all": "auto"} if attribute else {"native": "native", "auto": "auto"}
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(args.rounds):
         for arm, samples in times.items():
             kernels.set_mode(arms[arm])
-            if kernel is not None:
-                setattr(kernels, args.kernel, (lambda *_, **__: None) if arm.startswith("without") else kernel)
+            if attribute is not None:
+                setattr(kernels, attribute, off if arm.startswith("without") else kernel)
             step(images, labels)[0].item()
             start = time.perf_counter()
             for _ in range(args.steps):
