@@ -13,6 +13,8 @@
 
 #include "tiles.h"
 
+#include <vector>
+
 using namespace vitrain_kernels;
 
 namespace {
@@ -84,11 +86,12 @@ void gelu_backward_rows(const BF* g, const BF* h, int64_t rows, int64_t width, B
   }
 }
 
-// c (out x in float32, row stride in) += the products of a chunk's tiles, two by two, spreading the
-// prefetches of the next chunk over the blocks (the packing reads it; in a training step the
-// operands come from memory: step 4-6 ms faster, docs/benchmarks.md).
+// c (out x in float32, row stride in) += the products of a chunk's tiles, two by two (c = them, its
+// old contents ignored, for a thread's first chunk), spreading the prefetches of the next chunk over
+// the blocks (the packing reads it; in a training step the operands come from memory: step 4-6 ms
+// faster, docs/benchmarks.md).
 template <class T>
-void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c, const Prefetch& next) {
+void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c, bool fresh, const Prefetch& next) {
   const int64_t blocks = p.out_tiles() / 2 * (p.in_tiles() / 2);
   const int64_t per_block = (next.lines() + blocks - 1) / blocks;
   int64_t line = 0;
@@ -97,10 +100,17 @@ void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c
     for (int64_t i = 0; i < in_tiles; i += 2) {
       float* c00 = c + o * kTile * p.in + i * kTile;
       float* c10 = c00 + kTile * p.in;
-      T::template load_accumulator<0>(c00, stride);
-      T::template load_accumulator<1>(c00 + kTile, stride);
-      T::template load_accumulator<2>(c10, stride);
-      T::template load_accumulator<3>(c10 + kTile, stride);
+      if (fresh) {
+        T::template zero<0>();
+        T::template zero<1>();
+        T::template zero<2>();
+        T::template zero<3>();
+      } else {
+        T::template load_accumulator<0>(c00, stride);
+        T::template load_accumulator<1>(c00 + kTile, stride);
+        T::template load_accumulator<2>(c10, stride);
+        T::template load_accumulator<3>(c10 + kTile, stride);
+      }
       for (int64_t k = 0; k < per_block; ++k) next.line(line++);
       const uint32_t* a0 = a + o * steps * kTileWords;
       const uint32_t* b0 = b + i * kTileWords;
@@ -129,13 +139,18 @@ struct Operands {
   BF* g_out;
 };
 
+// Each thread's float32 copy of dW (and of the bias sums) is written by its first chunk; `used` marks
+// the threads that had any, the copies the caller sums.
 template <class T>
-void weight_gradient_all(const Shape& p, const Operands& t, float* partial, float* partial_sums) {
+void weight_gradient_all(const Shape& p, const Operands& t, float* partial, float* partial_sums, char* used) {
   const int64_t chunks = (p.tokens + p.chunk - 1) / p.chunk, steps = p.steps();
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t thread = at::get_thread_num();
     float* c = partial + thread * p.out * p.in;
     float* sums = partial_sums == nullptr ? nullptr : partial_sums + thread * p.out;
+    bool fresh = !used[thread];  // c and sums not yet written
+    used[thread] = 1;
+    if (fresh && sums != nullptr) std::fill(sums, sums + p.out, 0.f);
     Arena arena;
     uint32_t *a = nullptr, *b = nullptr, *pairs = nullptr;
     for (int pass = 0; pass < 2; ++pass) {  // measure, then allocate and take (tiles.h)
@@ -162,7 +177,8 @@ void weight_gradient_all(const Shape& p, const Operands& t, float* partial, floa
                            t.gelu_input == nullptr ? nullptr
                                                    : reinterpret_cast<const char*>(t.gelu_input + (first + rows) * p.out)},
                           {g_bytes, next_rows * p.in * 2, t.gelu_input != nullptr ? g_bytes : 0}};
-      add_products<T>(a, b, p, c, next);
+      add_products<T>(a, b, p, c, fresh, next);
+      fresh = false;
     }
     T::release();
   });
@@ -197,31 +213,45 @@ std::vector<at::Tensor> weight_gradient(const at::Tensor& g, const at::Tensor& x
   check_backend(emulate, "weight_gradient");
   const Shape p{g.size(0), g.size(1), x.size(1), chunk};
   const int64_t threads = at::get_num_threads();
-  auto partial = at::zeros({threads, p.out, p.in}, g.options().dtype(at::kFloat));
-  auto partial_sums = bias ? at::zeros({threads, p.out}, g.options().dtype(at::kFloat)) : at::Tensor();
-  float* sums = bias ? partial_sums.data_ptr<float>() : nullptr;
+  auto partial = at::empty({threads, p.out, p.in}, g.options().dtype(at::kFloat));
+  std::vector<float> partial_sums(bias ? threads * p.out : 0);
+  std::vector<char> used(threads, 0);
+  float* sums = bias ? partial_sums.data() : nullptr;
   const Operands operands{g.data_ptr<BF>(), x.data_ptr<BF>(),
                           gelu_input.has_value() ? gelu_input->data_ptr<BF>() : nullptr,
                           gelu_input.has_value() ? g_out.data_ptr<BF>() : nullptr};
 #if VITRAIN_AMX
   if (!emulate) {
-    weight_gradient_all<AmxTiles>(p, operands, partial.data_ptr<float>(), sums);
+    weight_gradient_all<AmxTiles>(p, operands, partial.data_ptr<float>(), sums, used.data());
   } else {
-    weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums);
+    weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums, used.data());
   }
 #else
-  weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums);
+  weight_gradient_all<EmulatedTiles>(p, operands, partial.data_ptr<float>(), sums, used.data());
 #endif
+  std::vector<const float*> copies;  // the threads' copies of dW, and of the sums
+  std::vector<const float*> sum_copies;
+  for (int64_t t = 0; t < threads; ++t) {
+    if (!used[t]) continue;
+    copies.push_back(partial.data_ptr<float>() + t * p.out * p.in);
+    if (bias) sum_copies.push_back(partial_sums.data() + t * p.out);
+  }
   auto dweight = at::empty({p.out, p.in}, g.options());
-  const float* part = partial.data_ptr<float>();
   BF* dw = dweight.data_ptr<BF>();
-  const int64_t size = p.out * p.in;
-  at::parallel_for(0, size / kF, 1024, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.out * p.in / kF, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
-      fVec total = fVec::loadu(part + v * kF);
-      for (int64_t t = 1; t < threads; ++t) total = total + fVec::loadu(part + t * size + v * kF);
+      fVec total(0.f);
+      for (const float* copy : copies) total = total + fVec::loadu(copy + v * kF);
       store_bf16(dw + v * kF, total, kF);
     }
   });
-  return {dweight, bias ? partial_sums.sum(0) : at::Tensor(), g_out};
+  at::Tensor dbias;
+  if (bias) {
+    dbias = at::zeros({p.out}, g.options().dtype(at::kFloat));
+    float* out = dbias.data_ptr<float>();
+    for (const float* copy : sum_copies) {
+      for (int64_t o = 0; o < p.out; ++o) out[o] += copy[o];
+    }
+  }
+  return {dweight, dbias, g_out};
 }
