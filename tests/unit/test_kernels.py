@@ -105,8 +105,9 @@ def test_native_path_where_the_kernels_do_not_apply(built):
 @pytest.mark.parametrize("width", [192, 100])
 def test_add_layer_norm_is_the_add_and_the_norm_in_one_pass(built, width):
     """``s = x + branch`` rounds as PyTorch's bf16 add does and the norm is the fused LayerNorm of
-    ``s``, bit for bit; the gradient, the same tensor for both inputs, is within bf16 rounding of a
-    float64 reference in which ``s`` feeds both the norm and the next residual."""
+    ``s``, bit for bit; the gradient, the same tensor for both inputs, is bit for bit what the add, the
+    norm and autograd's sum give apart, and within bf16 rounding of a float64 reference in which ``s``
+    feeds both the norm and the next residual."""
     torch.manual_seed(0)
     x, branch = (torch.randn(4, 65, width) * 2).to(torch.bfloat16), torch.randn(4, 65, width).to(torch.bfloat16)
     norm = LayerNorm(width, eps=1e-6).to(torch.bfloat16)
@@ -120,6 +121,11 @@ def test_add_layer_norm_is_the_add_and_the_norm_in_one_pass(built, width):
     assert torch.equal(y, kernels.layer_norm(x + branch, (width,), norm.weight, norm.bias, 1e-6))
     dx, dbranch, dweight, dbias = torch.autograd.grad((s, y), (*leaves, norm.weight, norm.bias), (grad_s, grad_y))
     assert torch.equal(dx, dbranch)
+    apart = [x.clone().requires_grad_(), branch.clone().requires_grad_()]
+    s_apart = apart[0] + apart[1]
+    y_apart = kernels.layer_norm(s_apart, (width,), norm.weight, norm.bias, 1e-6)
+    grads_apart = torch.autograd.grad((s_apart, y_apart), (*apart, norm.weight, norm.bias), (grad_s, grad_y))
+    assert all(torch.equal(a, b) for a, b in zip((dx, dbranch, dweight, dbias), grads_apart, strict=True))
 
     weight, bias = (p.detach().double().requires_grad_() for p in (norm.weight, norm.bias))
     x64 = x.double().requires_grad_()
@@ -143,6 +149,41 @@ def test_add_layer_norm_leaves_hooked_float32_and_autocast_norms_to_pytorch(buil
     assert torch.equal(s, x.float() + branch.float()) and y.grad_fn.name() == "NativeLayerNormBackward0"
     kernels.set_mode("native")
     assert kernels.add_layer_norm(x, branch, norm.bfloat16())[1].grad_fn.name() == "NativeLayerNormBackward0"
+
+
+def test_vit_chains_its_blocks_residual_sums_into_the_next_norm(built):
+    """In bf16 the ViT's blocks leave their last residual sum to the next block's norm1 (and the last
+    one's to the final norm): the features are bit for bit those of the blocks called one by one; the
+    gradients too. A hooked or compiled block is called as a module and the chain resumes after it."""
+    torch.manual_seed(0)
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=96).to(torch.bfloat16)
+    images = torch.randn(8, 1, 14, 14).to(torch.bfloat16)
+
+    def one_by_one():
+        x, grid = model.patch_embed(images)
+        x = torch.cat([model.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + model.pos_embed
+        for block in model.blocks:
+            x = block(x, grid)
+        return model.norm(x)
+
+    def features_and_grads(function):
+        features = function()
+        params = [*model.blocks.parameters(), *model.norm.parameters(), model.pos_embed]
+        grads = torch.autograd.grad(features.float().square().sum(), params)
+        return features, grads
+
+    assert all(block.chains() for block in model.blocks)
+    chained, chained_grads = features_and_grads(lambda: model.forward_features(images))
+    assert chained.grad_fn.name().endswith("_AddLayerNormBackward")
+    separate, separate_grads = features_and_grads(one_by_one)
+    assert torch.equal(chained, separate)
+    assert all(torch.equal(a, b) for a, b in zip(chained_grads, separate_grads, strict=True))
+
+    seen = []
+    hook = model.blocks[2].register_forward_hook(lambda module, args, out: seen.append(out))
+    assert not model.blocks[2].chains()
+    assert torch.equal(model.forward_features(images), separate) and len(seen) == 1
+    hook.remove()
 
 
 def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):

@@ -154,9 +154,11 @@ class _LayerNorm(torch.autograd.Function):
 
 
 class _AddLayerNorm(torch.autograd.Function):
-    """``s = x + branch`` and ``LayerNorm(s)`` in one pass each way: the residual connection in the
-    middle of a pre-norm block and the norm after it. The backward adds the gradient reaching ``s``
-    past the norm to the norm's input gradient as it writes it, and hands the sum to both inputs."""
+    """``s = x + branch`` and ``LayerNorm(s)`` in one pass each way: a residual connection and the
+    pre-norm after it. The backward adds the gradient reaching ``s`` past the norm to the norm's input
+    gradient as it writes it, and hands the sum to both inputs. Every value is rounded where the add,
+    the norm and autograd's sum of the two gradients round it apart: the same bits, so a chained model
+    and one whose blocks run one by one (activation checkpointing, FSDP) train identically."""
 
     @staticmethod
     def forward(ctx, x, branch, weight, bias, eps: float):  # noqa: ANN001

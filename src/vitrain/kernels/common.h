@@ -48,6 +48,20 @@ inline void store_bf16(BF* p, const fVec& v, int64_t n) {
 #endif
 }
 
+// v rounded to bf16 (round to nearest even) and back to float32.
+inline fVec round_bf16(const fVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 out;
+  at::vec::cvtbf16_fp32(at::vec::cvtfp32_bf16(__m512(v)), out);
+  return fVec(out);
+#else
+  float buf[kF];
+  v.store(buf);
+  for (int64_t i = 0; i < kF; ++i) buf[i] = static_cast<float>(BF(buf[i]));
+  return fVec::loadu(buf);
+#endif
+}
+
 inline fVec load_f32(const float* p, int64_t n) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
 
 inline void store_f32(float* p, const fVec& v, int64_t n) {

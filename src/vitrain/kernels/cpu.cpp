@@ -99,7 +99,8 @@ void layer_norm_forward_rows(const BF* xp, const BF* branch, BF* sum, const W* w
 }
 
 // With `residual`, dx is the LayerNorm's input gradient plus `residual` (the gradient that reaches a
-// residual connection's sum past the norm), added before the one rounding to bf16.
+// residual connection's sum past the norm), each rounded as the separate backward and add round them:
+// the same bits.
 template <typename W>
 void layer_norm_backward_rows(const BF* gp, const BF* xp, const float* mp, const float* rp, const W* wp,
                               const BF* residual, BF* dxp, ColumnSums& sums, int64_t R, int64_t C) {
@@ -126,7 +127,7 @@ void layer_norm_backward_rows(const BF* gp, const BF* xp, const float* mp, const
         const int64_t n = std::min(kF, C - c);
         const fVec gv = load_bf16(g + c, n), xhat = (load_bf16(row + c, n) - mv) * sv;
         fVec dx = sv * (gv * load_param(wp + c, n) - a - xhat * b);
-        if (residual != nullptr) dx = dx + load_bf16(residual + r * C + c, n);
+        if (residual != nullptr) dx = round_bf16(dx) + load_bf16(residual + r * C + c, n);
         store_bf16(out + c, dx, n);
       }
     }

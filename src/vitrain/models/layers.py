@@ -358,9 +358,29 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        # the first residual sum and the norm after it in one pass where the fused kernels apply
-        x, normed = kernels.add_layer_norm(x, self.drop_path1(self.attn(self.norm1(x))), self.norm2)
-        return x + self.drop_path2(self.mlp(normed, grid))
+        x, branch = self.forward_chained(x, None, grid)
+        return x + branch
+
+    def forward_chained(
+        self, x: torch.Tensor, branch: torch.Tensor | None, grid: Grid
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the residual sums at both ends left open: takes the previous block's pending
+        ``(x, branch)`` (``branch`` None: ``x`` is complete) and returns its own, so that each residual
+        sum and the norm after it run as one pass where the fused kernels apply
+        (:func:`vitrain.kernels.add_layer_norm`); the model sums the last pair."""
+        if branch is None:
+            normed = self.norm1(x)
+        else:
+            x, normed = kernels.add_layer_norm(x, branch, self.norm1)
+        x, normed = kernels.add_layer_norm(x, self.drop_path1(self.attn(normed)), self.norm2)
+        return x, self.drop_path2(self.mlp(normed, grid))
+
+    def chains(self) -> bool:
+        """Whether the model may call :meth:`forward_chained` directly: a plain block, not compiled on
+        its own (``train.compile``), nothing hooked on it (FSDP and activation checkpointing act
+        through its forward hooks)."""
+        hooked = self._forward_hooks or self._forward_pre_hooks
+        return type(self) is Block and getattr(self, "_compiled_call_impl", None) is None and not hooked
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: Grid, num_prefix_tokens: int) -> torch.Tensor:

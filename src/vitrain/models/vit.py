@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from vitrain import kernels
 from vitrain.models.layers import Block, ConvStem, LayerNorm, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
 from vitrain.models.localvit import LocalViTMlp
 
@@ -130,9 +131,19 @@ class VisionTransformer(nn.Module):
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + pos_embed)
+        branch = None  # a residual branch not yet added to x (Block.forward_chained)
         for block in self.blocks:
+            if block.chains():
+                x, branch = block.forward_chained(x, branch, grid)
+                continue
+            if branch is not None:
+                x, branch = x + branch, None
             x = block(x, grid)
-        return self.norm(x)
+        if branch is None:
+            return self.norm(x)
+        if isinstance(self.norm, nn.LayerNorm):
+            return kernels.add_layer_norm(x, branch, self.norm)[1]
+        return self.norm(x + branch)
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
