@@ -9,9 +9,11 @@ Per layer shape (the ViT blocks' qkv, proj, fc1, fc2 at ``--width`` and ``--hidd
   primitive (``torch.ops.mkldnn._linear_pointwise``, what ``vitrain.kernels.linear`` runs);
 - weight gradient over the tokens, from contiguous operands: ``xT @ g`` (input copied feature-major),
   ``gT @ x`` (output gradient copied), and PyTorch's ``g.t() @ x`` on a transposed view;
-- the whole weight-and-bias gradient as ``_Linear`` runs it for a layer that expands (copy ``x``,
-  product, copy back, column sums) and for any other (copy ``g`` with its column sums, product), and
-  as PyTorch's autograd does (``g.t() @ x`` and ``g.sum(0)``).
+- the whole weight-and-bias gradient as ``_Linear`` runs it without AMX tiles, for a layer that
+  expands (copy ``x``, product, copy back, column sums) and for any other (copy ``g`` with its column
+  sums, product); as PyTorch's autograd does (``g.t() @ x`` and ``g.sum(0)``); and on AMX tiles from
+  the token-major operands (``weight_gradient``, where the CPU has AMX-BF16; for fc1 also with the
+  GELU's backward inside, against ``gelu_backward`` and the tiles apart).
 
 Median milliseconds of ``--repeats`` calls after warm-up; the operands stay in cache between calls,
 so a training step, whose operands come from memory, runs each about 1.5-2x slower.
@@ -60,6 +62,13 @@ def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> l
         g.t() @ x
         g.sum(0)
 
+    tiles = module.amx_available()
+    h = torch.randn(tokens, fan_out).to(torch.bfloat16)
+
+    def gelu_apart() -> None:
+        dh, _ = module.gelu_backward(g, h, True)
+        module.weight_gradient(dh, x, False)
+
     return [
         median_ms(lambda: F.linear(x, weight, bias), repeats),
         median_ms(lambda: F.linear(x, weight), repeats),
@@ -70,6 +79,9 @@ def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> l
         median_ms(expands, repeats),
         median_ms(other, repeats),
         median_ms(pytorch, repeats),
+        median_ms(lambda: module.weight_gradient(g, x, True), repeats) if tiles else float("nan"),
+        median_ms(gelu_apart, repeats) if tiles else float("nan"),
+        median_ms(lambda: module.weight_gradient(g, x, True, gelu_input=h), repeats) if tiles else float("nan"),
     ]
 
 
@@ -93,14 +105,15 @@ def main() -> None:
     print(f"{args.tokens} tokens, bf16, ms (median of {args.repeats})")
     print(
         f"{'layer':>5} {'in->out':>9} | {'F.linear+b':>10} {'no bias':>8} {'b inside':>8} |"
-        f" {'xT@g':>6} {'gT@x':>6} {'g.t()@x':>7} | {'expands':>7} {'other':>6} {'PyTorch':>7}"
+        f" {'xT@g':>6} {'gT@x':>6} {'g.t()@x':>7} | {'expands':>7} {'other':>6} {'PyTorch':>7} {'tiles':>6} |"
+        f" {'GELU+tiles apart':>16} {'GELU in tiles':>13}"
     )
     for name, (fan_in, fan_out) in shapes.items():
         row = layer_row(module, args.tokens, fan_in, fan_out, args.repeats)
-        cells = [f"{v:{w}.2f}" for v, w in zip(row, (10, 8, 8, 6, 6, 7, 7, 6, 7), strict=True)]
+        cells = [f"{v:{w}.2f}" for v, w in zip(row, (10, 8, 8, 6, 6, 7, 7, 6, 7, 6, 16, 13), strict=True)]
         print(
             f"{name:>5} {f'{fan_in}->{fan_out}':>9} | {' '.join(cells[:3])} | {' '.join(cells[3:6])} |"
-            f" {' '.join(cells[6:])}"
+            f" {' '.join(cells[6:10])} | {' '.join(cells[10:])}"
         )
 
 
