@@ -474,12 +474,15 @@ def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias, width
     assert max(_relative_errors([fused_out, *fused_grads], [native_out.double(), *native_grads])) < 2**-6
 
 
-@pytest.mark.parametrize(("prefix", "grid", "dim"), [(1, (14, 14), 48), (0, (5, 7), 10), (2, (3, 4), 100)])
+@pytest.mark.parametrize(
+    ("prefix", "grid", "dim"), [(1, (14, 14), 48), (0, (5, 7), 10), (2, (3, 4), 100), (1, (6, 6), 64)]
+)
 def test_locality_front_matches_float64(built, prefix, grid, dim):
     """The locality FFN with fc1, the depthwise convolution and the h-swish as one function
     (``_LocalityFront``): output and the gradients of the input and of every parameter (fc1's bias
     summed from the kernel's rows) within bf16 rounding of the same module in float64. CLS rows 0, 1
-    and 2; channel counts (40, 400) that leave partial vectors; a grid that is not square."""
+    and 2; channel counts (40, 400) that leave partial vectors; a grid that is not square; at width 64
+    (hidden 256) fc1's weight gradient on AMX tiles where the CPU has them."""
     from vitrain.models.layers import LocalityMlp
 
     torch.manual_seed(0)

@@ -1,34 +1,39 @@
-"""Fused CPU kernels for bf16 training: LayerNorm, GELU, the weight gradients of linear layers, the
-backward of depthwise 3x3 convolutions, the locality FFN's convolution and h-swish, and on AMX CPUs
-the attention.
+"""Fused CPU kernels for bf16 training: LayerNorm (with the residual sum before it), GELU, linear
+layers' bias and weight gradients, the backward of depthwise 3x3 convolutions, the locality FFN's
+convolution and h-swish, and on AMX CPUs the attention and the weight gradients on AMX tiles.
 
-The kernels (``cpu.cpp`` and ``attention.cpp`` beside this file) are compiled on first use by torch's
-JIT extension loader for the host's vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512,
-AVX2 or plain C++) and cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``); building needs a C++ compiler and ninja (a dependency of the package).
-If the build fails the native PyTorch ops run instead and a warning says why once;
-``train.cpu_kernels=fused`` makes the failure an error instead.
+The kernels (``cpu.cpp``, ``attention.cpp`` and ``weight_gradient.cpp`` beside this file) are
+compiled on first use by torch's JIT extension loader for the host's vector ISA
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C++) and cached by torch under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); building needs a C++ compiler and
+ninja (a dependency of the package). If the build fails the native PyTorch ops run instead and a
+warning says why once; ``train.cpu_kernels=fused`` makes the failure an error instead.
 
 Where they apply: CPU tensors in bf16 outside autocast, which is what ``precision_mode=o2`` (and
 ``full``) run (the attention also under autocast: its result is what autocast gives); under autocast,
-and for DTensors, under ``torch.compile`` and on other devices, the ops are PyTorch's. Measured on a 2-core AMX Xeon (docs/benchmarks.md, "Fused CPU kernels" and
-"Linear weight gradients and GELU by table"):
+and for DTensors, under ``torch.compile`` and on other devices, the ops are PyTorch's. Measured on a
+2-core AMX Xeon (docs/benchmarks.md, "Fused CPU kernels", "Linear weight gradients and GELU by
+table", "Attention on AMX tiles" and "Linear layers on AMX tiles"):
 
 - LayerNorm backward 0.45-0.59 ms against PyTorch's 1.30-1.36 ms for 8320 rows of 192, its weight
-  and bias gradients summed in float32 (PyTorch's bf16 kernel: 7-12 % off the largest value);
+  and bias gradients summed in float32 (PyTorch's bf16 kernel: 7-12 % off the largest value); with
+  the residual sum before it in the same pass each way (``add_layer_norm``; a ViT chains its blocks'
+  last sums into the next norm): ViT-Ti/4 steps 1.03x, gradients bit-identical to the separate ops;
 - GELU forward and backward by table (a bf16 input has 65536 values): 0.97 and 1.27 ms against
   PyTorch's 1.72 and 3.31 ms for 8320 x 768 (cold caches), exact to double precision before rounding;
 - linear layers (``_Linear``): the bias added inside oneDNN's product (``F.linear`` on bf16 adds it
-  in a second pass; ViT-Ti/4 steps 398.5 -> 370.7 ms), and weight gradients from a feature-major copy
-  of one operand (oneDNN runs ``g^T x`` on a transposed view at half speed; ViT-Ti/4 steps 3 % faster,
-  locality ViT-S 3.7 %);
+  in a second pass; ViT-Ti/4 steps 1.06x); weight gradients on AMX tiles from the token-major
+  operands, bias sums and an FFN's GELU backward inside (``weight_gradient.cpp``: 1.05-1.42 against
+  1.73-2.26 ms alone, ViT-Ti/4 steps 1.09x); without AMX, or at widths that are not multiples of 32,
+  from a feature-major copy of one operand (oneDNN runs ``g^T x`` on a transposed view at half speed;
+  ViT-Ti/4 steps 3 % faster, locality ViT-S 3.7 %);
 - depthwise 3x3 backward 7.3 ms against 12.6 ms (32 x 1536 x 14 x 14; 19.8 ms in a locality ViT-S
   step, where the input is a view that skips the CLS rows); with the locality FFN's fc1 and h-swish
   in one function (``_LocalityFront``) it also takes the gradient through the h-swish and writes
   fc1's output gradient in place, so no concatenation is copied either way (step 1.027x);
 - attention on AMX tiles (``_Attention``, ``attention.cpp``), per image and head from the fused qkv
   projection, forward and backward: 1.6-2.5x the explicit attention's speed alone, ViT-Ti/4 steps
-  1.08x, locality ViT-S/16 1.14x, VOLO-D1 1.11x (docs/benchmarks.md, "Attention on AMX tiles").
+  1.08x, locality ViT-S/16 1.14x, VOLO-D1 1.11x.
 """
 
 from __future__ import annotations
@@ -436,8 +441,11 @@ class _LocalityFront(torch.autograd.Function):
         g = grad_u.view(-1, hidden)
         rows = x.reshape(-1, x.shape[-1])
         dx = (g @ fc1_weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        x_t, _ = _module.transpose_rows(rows.contiguous(), False)  # fc1 expands: copy its input (``_Linear``)
-        dfc1_weight, _ = _module.transpose_rows(x_t @ g, False)
+        if _tiled_weight_gradient(fc1_weight):  # as ``_Linear`` does
+            dfc1_weight = _module.weight_gradient(g, rows.contiguous(), False)[0]
+        else:
+            x_t, _ = _module.transpose_rows(rows.contiguous(), False)  # fc1 expands: copy its input
+            dfc1_weight, _ = _module.transpose_rows(x_t @ g, False)
         return (
             dx,
             dfc1_weight,
