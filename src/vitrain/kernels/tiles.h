@@ -102,10 +102,6 @@ struct EmulatedTiles {
     }
   }
   template <int t>
-  static void load_accumulator(const void* p, int64_t stride) {
-    load<t>(p, stride);
-  }
-  template <int t>
   static void store(void* p, int64_t stride) {
     for (int64_t r = 0; r < kTile; ++r) {
       std::memcpy(static_cast<uint8_t*>(p) + r * stride, registers().bytes[t] + r * kRowBytes, kRowBytes);
@@ -156,21 +152,17 @@ struct AmxTiles {
     if constexpr (t == 2) _tile_zero(2);
     if constexpr (t == 3) _tile_zero(3);
   }
-  template <int t>
+  template <int t>  // operands, or accumulators to add to (weight_gradient.cpp)
   static void load(const void* p, int64_t stride) {
-    static_assert(t >= 4 && t < 8, "operands are tiles 4-7");
-    if constexpr (t == 4) _tile_loadd(4, p, stride);
-    if constexpr (t == 5) _tile_loadd(5, p, stride);
-    if constexpr (t == 6) _tile_loadd(6, p, stride);
-    if constexpr (t == 7) _tile_loadd(7, p, stride);
-  }
-  template <int t>
-  static void load_accumulator(const void* p, int64_t stride) {
-    static_assert(t >= 0 && t < 4, "accumulators are tiles 0-3");
+    static_assert(t >= 0 && t < 8, "tiles are 0-7");
     if constexpr (t == 0) _tile_loadd(0, p, stride);
     if constexpr (t == 1) _tile_loadd(1, p, stride);
     if constexpr (t == 2) _tile_loadd(2, p, stride);
     if constexpr (t == 3) _tile_loadd(3, p, stride);
+    if constexpr (t == 4) _tile_loadd(4, p, stride);
+    if constexpr (t == 5) _tile_loadd(5, p, stride);
+    if constexpr (t == 6) _tile_loadd(6, p, stride);
+    if constexpr (t == 7) _tile_loadd(7, p, stride);
   }
   template <int t>
   static void store(void* p, int64_t stride) {

@@ -106,10 +106,10 @@ void add_products(const uint32_t* a, const uint32_t* b, const Shape& p, float* c
         T::template zero<2>();
         T::template zero<3>();
       } else {
-        T::template load_accumulator<0>(c00, stride);
-        T::template load_accumulator<1>(c00 + kTile, stride);
-        T::template load_accumulator<2>(c10, stride);
-        T::template load_accumulator<3>(c10 + kTile, stride);
+        T::template load<0>(c00, stride);
+        T::template load<1>(c00 + kTile, stride);
+        T::template load<2>(c10, stride);
+        T::template load<3>(c10 + kTile, stride);
       }
       for (int64_t k = 0; k < per_block; ++k) next.line(line++);
       const uint32_t* a0 = a + o * steps * kTileWords;
