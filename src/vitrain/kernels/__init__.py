@@ -24,7 +24,7 @@ table", "Attention on AMX tiles" and "Linear layers on AMX tiles"):
 - linear layers (``_Linear``): the bias added inside oneDNN's product (``F.linear`` on bf16 adds it
   in a second pass; ViT-Ti/4 steps 1.06x); weight gradients on AMX tiles from the token-major
   operands, bias sums and an FFN's GELU backward inside (``weight_gradient.cpp``: 1.05-1.42 against
-  1.73-2.26 ms alone, ViT-Ti/4 steps 1.09x); without AMX, or at widths that are not multiples of 32,
+  1.73-2.26 ms alone for ViT-Ti/4's qkv, fc1 and fc2, ViT-Ti/4 steps 1.09x); without AMX, or at widths that are not multiples of 32,
   from a feature-major copy of one operand (oneDNN runs ``g^T x`` on a transposed view at half speed;
   ViT-Ti/4 steps 3 % faster, locality ViT-S 3.7 %);
 - depthwise 3x3 backward 7.3 ms against 12.6 ms (32 x 1536 x 14 x 14; 19.8 ms in a locality ViT-S
@@ -299,8 +299,8 @@ def _tiled_weight_gradient(weight: torch.Tensor) -> bool:
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear``; with a bias, oneDNN's linear primitive with the bias inside it where this torch
     has it (``mkldnn._linear_pointwise``, the op inductor emits on CPU): ``F.linear`` on bf16 adds the
-    bias as a separate pass over the output, 1.22 against 0.82 ms for 8320 x 192 -> 768 (docs/
-    benchmarks.md, "Bias inside the product"). It also adds the bias before rounding to bf16."""
+    bias as a separate pass over the output, 1.10 against 0.73 ms for 8320 x 192 -> 768 (docs/
+    benchmarks.md, "Linear layers on AMX tiles"). It also adds the bias before rounding to bf16."""
     if bias is not None and _HAS_LINEAR_POINTWISE:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
@@ -311,19 +311,23 @@ _HAS_LINEAR_POINTWISE = torch.backends.mkldnn.is_available() and hasattr(torch.o
 
 class _Linear(torch.autograd.Function):
     """``F.linear``'s forward with the bias inside oneDNN's product (``_dense_linear``), optionally the
-    exact GELU after it; a backward whose weight gradient multiplies contiguous operands.
+    exact GELU after it; a backward whose weight gradient never multiplies a transposed view.
 
     The weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it at about half
     speed when an operand is a transposed view (6.8 against 3.5 ms for 6304 tokens, 1536 -> 384).
-    One operand is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x 384, against 2.3 for
-    PyTorch's copy). In a layer that expands by at least 2 (qkv, fc1) that is the narrower input
-    ``x``: the product is ``xT @ g``, whose small (in, out) result is copied back to the weight's
-    layout. In every other layer it is ``g``, and the copy sums the bias gradient on the way: the
-    product ``gT @ x`` is in the weight's layout, and oneDNN runs it faster than ``xT @ g`` (1.16
-    against 1.70 ms for 8320 tokens, 192 -> 768). A square layer (192 -> 192) took 0.85 ms with
-    PyTorch's ``g.t() @ x`` and separate bias sums, 0.70 this way (docs/benchmarks.md, "Bias inside
-    the product"). With the GELU (a ViT FFN's fc1), its backward sums the bias gradient as it
-    writes the pre-activation gradient.
+    Where the CPU has AMX-BF16 and both widths are multiples of 32 it runs on AMX tiles from the
+    token-major operands (``weight_gradient.cpp``), which also sums the bias gradient and, after a
+    GELU (a ViT FFN's fc1), forms the pre-activation gradient: 1.05-1.42 against 1.73-2.26 ms for
+    ViT-Ti/4's qkv, fc1 and fc2 (docs/benchmarks.md, "Linear layers on AMX tiles").
+
+    Elsewhere one operand is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x 384, against
+    2.3 for PyTorch's copy). In a layer that expands by at least 2 (qkv, fc1) that is the narrower
+    input ``x``: the product is ``xT @ g``, whose small (in, out) result is copied back to the
+    weight's layout. In every other layer it is ``g``, and the copy sums the bias gradient on the way:
+    the product ``gT @ x`` is in the weight's layout, and oneDNN runs it faster than ``xT @ g`` (1.09
+    against 1.53 ms for 8320 tokens, 192 -> 768); a square layer (192 -> 192) took 0.83 ms with
+    PyTorch's ``g.t() @ x`` and separate bias sums, 0.67 this way. With the GELU, its backward sums
+    the bias gradient as it writes the pre-activation gradient.
     """
 
     @staticmethod
@@ -381,7 +385,7 @@ def _linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` as ``_Linear`` where the kernels apply: the bias added inside oneDNN's product, the
-    weight gradient from a feature-major copy of one operand."""
+    weight gradient on AMX tiles or from a feature-major copy of one operand."""
     if _linear_applies(x, weight, bias):
         return _Linear.apply(x, weight, bias, _expands(weight), False)
     return torch.nn.functional.linear(x, weight, bias)
