@@ -1,4 +1,4 @@
-// AMX tiles for the kernels that multiply small blocks (attention.cpp): the tile backends
+// AMX tiles for the kernels that multiply small blocks (attention.cpp, weight_gradient.cpp): the tile backends
 // (AMX, and the same arithmetic in plain C++ for CPUs without it, used by the tests), products of a row
 // or a column of tiles, packing of B operands, 16 x 16 transposes, float32 -> bf16 rounding, scratch.
 //
@@ -176,10 +176,10 @@ struct AmxTiles {
   static void dot() {
     constexpr bool row = a == 4 && ((c == 0 && b == 5) || (c == 1 && b == 6) || (c == 2 && b == 7) || (c == 3 && b == 5));
     constexpr bool column = b == 4 && ((c == 0 && a == 5) || (c == 1 && a == 6) || (c == 2 && a == 7) || (c == 3 && a == 5));
-    // grid_products: A tiles 4, 5 down, B tiles 6, 7 across
+    // weight_gradient.cpp's 2 x 2 products: A tiles 4, 5 down, B tiles 6, 7 across
     constexpr bool grid = (c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) || (c == 2 && a == 5 && b == 6) ||
                           (c == 3 && a == 5 && b == 7);
-    static_assert(row || column || grid, "the products row_product, column_product and grid_products make");
+    static_assert(row || column || grid, "the products row_product, column_product and weight_gradient.cpp make");
     if constexpr (grid && c == 0) _tile_dpbf16ps(0, 4, 6);
     if constexpr (grid && c == 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (grid && c == 2) _tile_dpbf16ps(2, 5, 6);
