@@ -127,6 +127,32 @@ inline fVec gather(const float* table, const BF* p, int64_t n) {
 #endif
 }
 
+// The GELU's backward on `rows` contiguous rows of `width`: dh = g * GELU'(h), rounded to bf16 into
+// `dh`, its float32 values (before rounding) added to `sums` if given (cpu.cpp's gelu_backward, and
+// weight_gradient.cpp's chunks).
+inline void gelu_backward_rows(const BF* g, const BF* h, int64_t rows, int64_t width, BF* dh, float* sums) {
+  const float* table = gelu_tables().derivative.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; c += kF) {
+      const int64_t n = std::min(kF, width - c), i = r * width + c;
+      const fVec d = load_bf16(g + i, n) * gather(table, h + i, n);
+      store_bf16(dh + i, d, n);
+      if (sums != nullptr) store_f32(sums + c, load_f32(sums + c, n) + d, n);  // before rounding
+    }
+  }
+}
+
+// sums[c] += rows[r][c] in float32 for `count` contiguous bf16 rows of `width`: column sums, the bias
+// gradients of linear layers.
+inline void add_rows(const BF* rows, int64_t count, int64_t width, float* sums) {
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t c = 0; c < width; c += kF) {
+      const int64_t n = std::min(kF, width - c);
+      store_f32(sums + c, load_f32(sums + c, n) + load_bf16(rows + r * width + c, n), n);
+    }
+  }
+}
+
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
               " must be a contiguous bf16 CPU tensor, got ", t.scalar_type(), " ", t.device(),

@@ -501,14 +501,7 @@ std::vector<at::Tensor> transpose_rows(const at::Tensor& g, bool column_sums) {
           at::vec::transpose_mxn<BF>(src + r0 * N + c0, N, dst + c0 * M + r0, M, rows, cols);
         }
       }
-      if (acc == nullptr) continue;
-      for (int64_t r = first; r < last; ++r) {
-        const BF* row = src + r * N;
-        for (int64_t c = 0; c < N; c += kF) {
-          const int64_t n = std::min(kF, N - c);
-          store_f32(acc + c, load_f32(acc + c, n) + load_bf16(row + c, n), n);
-        }
-      }
+      if (acc != nullptr) add_rows(src + first * N, last - first, N, acc);
     }
   });
   return {out, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
@@ -523,14 +516,7 @@ at::Tensor column_sums(const at::Tensor& g) {
   ColumnSums sums(N, 1);
   const BF* src = g.data_ptr<BF>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
-    float* acc = sums.block(0);
-    for (int64_t r = begin; r < end; ++r) {
-      const BF* row = src + r * N;
-      for (int64_t c = 0; c < N; c += kF) {
-        const int64_t n = std::min(kF, N - c);
-        store_f32(acc + c, load_f32(acc + c, n) + load_bf16(row + c, n), n);
-      }
-    }
+    add_rows(src + begin * N, end - begin, N, sums.block(0));
   });
   return sums.reduce(0, at::kFloat);
 }
@@ -567,22 +553,14 @@ std::vector<at::Tensor> gelu_backward(const at::Tensor& grad_out, const at::Tens
   check_rows(grad_out, "gelu_backward: grad_out");
   check_rows(h, "gelu_backward: h");
   TORCH_CHECK(grad_out.sizes() == h.sizes(), "gelu_backward: grad_out and h differ in shape");
-  const float* table = gelu_tables().derivative.data();
   auto dh = at::empty_like(h);
   const int64_t C = h.dim() > 0 ? h.size(-1) : 1, R = C > 0 ? h.numel() / C : 0;
   ColumnSums sums(column_sums ? C : 0, 1);
   const BF *gp = grad_out.data_ptr<BF>(), *hp = h.data_ptr<BF>();
   BF* out = dh.data_ptr<BF>();
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)), [&](int64_t begin, int64_t end) {
-    float* acc = column_sums ? sums.block(0) : nullptr;
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t c = 0; c < C; c += kF) {
-        const int64_t n = std::min(kF, C - c), i = r * C + c;
-        const fVec d = load_bf16(gp + i, n) * gather(table, hp + i, n);
-        store_bf16(out + i, d, n);
-        if (acc != nullptr) store_f32(acc + c, load_f32(acc + c, n) + d, n);  // before rounding
-      }
-    }
+    gelu_backward_rows(gp + begin * C, hp + begin * C, end - begin, C, out + begin * C,
+                       column_sums ? sums.block(0) : nullptr);
   });
   return {dh, column_sums ? sums.reduce(0, at::kFloat) : at::Tensor()};
 }

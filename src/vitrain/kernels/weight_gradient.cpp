@@ -42,13 +42,7 @@ void pack_gradient(const BF* g, int64_t rows, const Shape& p, uint32_t* a, float
                   reinterpret_cast<float*>(a + (o * steps + s) * kTileWords), kTile);
     }
   }
-  if (sums == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < out; c += kF) {
-      const int64_t n = std::min(kF, out - c);
-      store_f32(sums + c, load_f32(sums + c, n) + load_bf16(g + r * out + c, n), n);
-    }
-  }
+  if (sums != nullptr) add_rows(g, rows, out, sums);
 }
 
 // Memory to bring into L2 while the tiles multiply: the next chunk's rows of each operand.
@@ -71,20 +65,6 @@ struct Prefetch {
   }
   int64_t lines() const { return (bytes[0] + bytes[1] + bytes[2] + 63) / 64; }
 };
-
-// The GELU's backward on a chunk's rows: dh = g * GELU'(h), rounded to bf16 into `dh` (the layer's
-// output gradient, returned for its input gradient), its float32 values added to `sums`.
-void gelu_backward_rows(const BF* g, const BF* h, int64_t rows, int64_t width, BF* dh, float* sums) {
-  const float* table = gelu_tables().derivative.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < width; c += kF) {
-      const int64_t n = std::min(kF, width - c), i = r * width + c;
-      const fVec d = load_bf16(g + i, n) * gather(table, h + i, n);
-      store_bf16(dh + i, d, n);
-      if (sums != nullptr) store_f32(sums + c, load_f32(sums + c, n) + d, n);  // before rounding
-    }
-  }
-}
 
 // c (out x in float32, row stride in) += the products of a chunk's tiles, two by two (c = them, its
 // old contents ignored, for a thread's first chunk), spreading the prefetches of the next chunk over
