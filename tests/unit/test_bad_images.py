@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import struct
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +85,23 @@ def write_truncated(path: Path) -> None:
 
 
 def write_bomb(path: Path) -> None:
+    """BOMB_PIXELS, between 1x and 2x LIMIT: Pillow only warns there; vitrain's own check refuses it."""
     Image.fromarray(_noise(80, 100, 4)).save(path, "JPEG")
+
+
+HEADER_BOMB_SIDE = 30000
+
+
+def write_header_bomb(path: Path) -> None:
+    """A PNG whose header declares 30000 x 30000 pixels (9e8: over twice LIMIT and twice the default
+    limit, where Pillow raises DecompressionBombError on open) and holds one row of pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", HEADER_BOMB_SIDE, HEADER_BOMB_SIDE, 8, 0, 0, 0, 0)  # 8-bit grayscale
+    one_row = zlib.compress(bytes(HEADER_BOMB_SIDE + 1))  # filter byte + pixels
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", one_row) + chunk(b"IEND", b""))
 
 
 ODD_FILES = {  # name in train/n01 -> (writer, the notes check-data reports)
@@ -98,10 +118,12 @@ BAD_FILES = {  # name in train/n02 -> (writer, reason)
     "empty.JPEG": (lambda path: path.write_bytes(b""), "empty"),
     "text.JPEG": (lambda path: path.write_text("this is a text file, not a photo\n"), "not_an_image"),
     "bomb.JPEG": (write_bomb, "decompression_bomb"),
+    "header_bomb.png": (write_header_bomb, "decompression_bomb"),
     "damaged.png": (lambda path: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(64))), "unreadable"),
 }
-NUM_PLAIN = 6  # plain RGB JPEGs per class in train/
-NUM_TRAIN = 2 * NUM_PLAIN + len(ODD_FILES) + len(BAD_FILES)  # 24: six batches of 4
+BAD_COUNTS = dict(Counter(reason for _, reason in BAD_FILES.values()))
+NUM_PLAIN = 6  # plain RGB JPEGs per class in train/ (one fewer in n02, which holds the bad files)
+NUM_TRAIN = 2 * NUM_PLAIN - 1 + len(ODD_FILES) + len(BAD_FILES)  # 24: six batches of 4
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +134,7 @@ def bad_folder(tmp_path_factory) -> Path:
         for class_index, name in enumerate(("n01", "n02")):
             folder = root / split / name
             folder.mkdir(parents=True)
-            for index in range(plain):
+            for index in range(plain - (split == "train" and name == "n02")):
                 Image.fromarray(_noise(24 + 4 * index, 32, 10 * class_index + index)).save(
                     folder / f"plain_{index}.JPEG"
                 )
@@ -205,6 +227,16 @@ def test_decompression_bomb_limit_is_exact_and_configurable(tmp_path):
     assert make_config().data.max_image_pixels == 2 * Image.MAX_IMAGE_PIXELS  # and Pillow's own is untouched
 
 
+def test_a_header_over_twice_the_limit_is_a_bad_image_not_pillows_error(tmp_path):
+    """Above twice its limit Pillow raises DecompressionBombError (not an OSError) from Image.open."""
+    write_header_bomb(tmp_path / "huge.png")
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(tmp_path / "huge.png")  # what decode_image must turn into a BadImage
+    with pytest.raises(BadImage) as raised:
+        decode_image(tmp_path / "huge.png")  # the default limit
+    assert raised.value.reason == "decompression_bomb" and f"{HEADER_BOMB_SIDE**2} pixels" in raised.value.detail
+
+
 def test_truncated_files_are_refused_even_when_pillow_would_pad_them(tmp_path, monkeypatch):
     write_truncated(tmp_path / "cut.jpg")
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # someone else's global setting
@@ -229,7 +261,7 @@ def _run_overrides(root: Path, out_dir: Path, *extra: str) -> list[str]:
         "data.image_size=14",
         "data.num_workers=0",
         f"data.max_image_pixels={LIMIT}",
-        "data.max_bad_fraction=0.25",
+        "data.max_bad_fraction=0.3",
         "model.name=vit_tiny6_patch7",
         "precision=fp32",
         "train.batch_size=4",
@@ -249,7 +281,7 @@ def test_loader_replaces_bad_images_deterministically_and_counts_them_from_worke
         train_loader.start_epoch(1)
         batches.append([(images.clone(), labels.clone()) for images, labels in train_loader])
         counts.append(train_loader.bad_images.counts())
-    assert counts[0] == counts[1] == {reason: 1 for _, reason in BAD_FILES.values()}
+    assert counts[0] == counts[1] == BAD_COUNTS
     assert len(batches[0]) == NUM_TRAIN // 4 and all(len(labels) == 4 for _, labels in batches[0])
     for (images_a, labels_a), (images_b, labels_b) in zip(*batches, strict=True):
         assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
@@ -271,13 +303,13 @@ def test_training_skips_bad_images_uses_odd_ones_and_counts_by_reason(bad_folder
     with caplog.at_level(logging.WARNING, logger="vitrain"):
         assert main(argv) == 0
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["bad_images"] == {reason: 1 for _, reason in BAD_FILES.values()}
+    assert summary["bad_images"] == BAD_COUNTS
     assert summary["bad_eval_images"] == {"empty": 1}
     assert summary["images_seen"] == 2 * NUM_TRAIN  # every slot filled: bad ones replaced
     assert set(ODD_FILES) <= set(decoded)  # the odd files were trained on, not skipped
     assert not set(BAD_FILES) & set(decoded)
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [record["bad_images"] for record in records if record["event"] == "train"] == [5, 5]
+    assert [record["bad_images"] for record in records if record["event"] == "train"] == [len(BAD_FILES)] * 2
     assert [record["num_samples"] for record in records if record["event"] == "eval"] == [4, 4]  # empty one left out
     warned = [record.getMessage() for record in caplog.records if "image skipped" in record.getMessage()]
     for name in BAD_FILES:  # each bad file logged once, with its reason, over two epochs
@@ -296,12 +328,15 @@ def test_too_many_bad_images_stop_the_run_with_counts_and_the_key_to_raise(bad_f
     argv = ["train", *_run_overrides(bad_folder, tmp_path / "run", "train.steps=6", "data.max_bad_fraction=0.1")]
     assert main(argv) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("vitrain: error: data.root: 3 of the 24 training images cannot be decoded")
+    met = re.match(r"vitrain: error: data\.root: (\d) of the 24 training images cannot be decoded", error)
+    assert met and 3 <= int(met[1]) < len(BAD_FILES)  # stopped once more than 10 % of 24 were met, not at the end
     assert "data.max_bad_fraction=0.1" in error and "raise data.max_bad_fraction" in error
     assert "vitrain check-data" in error
     named = [name for name in BAD_FILES if name in error]
-    assert len(named) == 3  # the examples are the files met so far, each with its reason
-    assert all(f"{BAD_FILES[name][1]} 1 (e.g. {bad_folder / 'train' / 'n02' / name}" in error for name in named)
+    assert len(named) == int(met[1])  # the examples are the files met so far, each with its reason
+    assert all(
+        f"{BAD_FILES[name][1]} " in error and str(bad_folder / "train" / "n02" / name) in error for name in named
+    )
 
 
 def test_a_split_where_nothing_decodes_stops_even_at_fraction_one(tmp_path):
@@ -323,7 +358,7 @@ def test_a_split_where_nothing_decodes_stops_even_at_fraction_one(tmp_path):
 def test_check_data_counts_every_kind_with_examples(bad_folder):
     report = check_image_folder(bad_folder, workers=0, max_image_pixels=LIMIT)
     assert report.files_per_split == {"train": NUM_TRAIN, "val": 5}
-    assert report.bad == {"empty": 2, **{reason: 1 for _, reason in BAD_FILES.values() if reason != "empty"}}
+    assert report.bad == {**BAD_COUNTS, "empty": 2}
     expected_odd: dict[str, int] = {}
     for _, notes in ODD_FILES.values():
         for note in notes:
@@ -347,7 +382,7 @@ def test_check_data_cli_reports_and_exit_codes(bad_folder, tiny_imagefolder, tmp
     out = capsys.readouterr().out
     assert "truncated" in out and "train/n02/truncated.JPEG" in out and "png_named_jpeg" in out
     written = json.loads((tmp_path / "report.json").read_text())
-    assert written["num_bad"] == len(BAD_FILES) + 1 and written["bad"]["decompression_bomb"] == 1
+    assert written["num_bad"] == len(BAD_FILES) + 1 and written["bad"]["decompression_bomb"] == 2
     assert main(["check-data", str(tiny_imagefolder), "--workers", "0"]) == 0  # no bad files
     assert "grayscale" in capsys.readouterr().out  # its grayscale files are reported, not counted as bad
     assert main(["check-data", str(tiny_imagefolder / "train"), "--json", str(tmp_path / "split.json")]) == 0

@@ -220,5 +220,6 @@ def decode_image(
                 return _open_and_convert(handle, path, draft_side, max_image_pixels)
     except BadImage:
         raise
-    except (OSError, SyntaxError, ValueError, EOFError) as error:
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
+        # DecompressionBombError (a header over twice the limit, raised by Image.open) is no OSError
         raise _classify_pillow_error(error, header) from None
