@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from vitrain.train.signals import Preempted
 log = logging.getLogger("vitrain")
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 3
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a program ended by SIGPIPE (128 + 13)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, with_recipe: bool = True) -> None:
@@ -435,6 +437,14 @@ COMMANDS = {
 }
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: the reader of the pipe is gone, and Python's flush at exit would
+    otherwise print a BrokenPipeError of its own."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -445,7 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     redirect = logging_redirect_tqdm() if args.command in ("train", "finetune") else contextlib.nullcontext()
     try:
         with redirect:
-            return COMMANDS[args.command](args)
+            code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader that left early (`| head`, `| grep -q`) shows here, not at exit
+        return code
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except (ConfigError, CheckpointError) as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -62,3 +62,27 @@ def test_model_option_of_another_family_is_rejected_with_a_fix(capsys):
     assert main(["train", "--set", "model.name=volo_d1", "--set", "data.name=synthetic"]) == 2
     message = capsys.readouterr().err
     assert "model.head=gap" in message and "set model.head=null" in message
+
+
+@pytest.mark.parametrize("command", [["list-models"], ["show-config"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(command):
+    """`vitrain list-models | grep -q local`: the pipe's reader is gone before the output is written;
+    the command stops with the shell's SIGPIPE code and no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has already left
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "vitrain", *command],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert "BrokenPipeError" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 141
