@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     compiled = kernels.load()
-    if compiled is None or not compiled.amx_available():
+    if compiled is None or not kernels.paths().amx_tiles:
         raise SystemExit("no AMX-BF16 here (or the kernels did not build): nothing to compare")
     shapes = args.shape or ["128,65,3,64", "32,197,6,64", "32,196,12,32"]
     print(f"{torch.get_num_threads()} threads; ms, median over {args.rounds} rounds")

@@ -41,7 +41,7 @@ SWITCHES = {
     "locality_front": ("locality_front", lambda *_, **__: None),
     "weight_gradient": ("_tiled_weight_gradient", lambda weight: False),
     "add_layer_norm": ("add_layer_norm", _separate_add_layer_norm),
-    "bias_in_product": ("_HAS_LINEAR_POINTWISE", False),
+    "bias_in_product": ("_bias_in_product", lambda: False),
 }
 
 

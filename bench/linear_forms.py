@@ -62,7 +62,7 @@ def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> l
         g.t() @ x
         g.sum(0)
 
-    tiles = module.amx_available()
+    tiles = kernels.paths().amx_tiles
     h = torch.randn(tokens, fan_out).to(torch.bfloat16)
 
     def gelu_apart() -> None:
@@ -72,7 +72,9 @@ def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> l
     return [
         median_ms(lambda: F.linear(x, weight, bias), repeats),
         median_ms(lambda: F.linear(x, weight), repeats),
-        median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""), repeats),
+        median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""), repeats)
+        if kernels.paths().bias_in_product  # oneDNN has no bf16 inner product on AVX2-only CPUs
+        else float("nan"),
         median_ms(lambda: x_t @ g, repeats),
         median_ms(lambda: g_t @ x, repeats),
         median_ms(lambda: g.t() @ x, repeats),

@@ -664,8 +664,13 @@ class Hardware:
         on_cuda = cuda and device != "cpu"
         if on_cuda:
             return cls(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported())
-        native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return cls(cuda_available=cuda, bf16_supported=native, bf16_emulated=True)
+        from vitrain import cpu_features
+
+        try:
+            cpu_features.amx_allowed()  # a bad VITRAIN_AMX fails here, before any work
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return cls(cuda_available=cuda, bf16_supported=cpu_features.cpu_bf16_native(), bf16_emulated=True)
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")

@@ -533,7 +533,8 @@ def test_depthwise_backward_through_hardswish_and_into_a_token_view(built):
 
 
 def _amx(built) -> bool:
-    return built.amx_available()
+    """AMX tiles run here: the CPU and the build have them and ``VITRAIN_AMX`` allows them."""
+    return kernels.paths().amx_tiles
 
 
 def _reference_attention(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
@@ -668,3 +669,81 @@ def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
     assert calls == 5 * 6  # five steps, six blocks, every one through the kernel
     assert fused[-1] < fused[0]
     assert all(abs(a - b) < 0.02 * abs(a) for a, b in zip(explicit, fused, strict=True)), (explicit, fused)
+
+
+# --- what this CPU supports -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_paths(monkeypatch):
+    """kernels.paths() decided again from cpu_features (patched by the test), and again afterwards."""
+    from vitrain import cpu_features
+
+    kernels.paths.cache_clear()
+    cpu_features.amx_allowed.cache_clear()
+    yield cpu_features
+    monkeypatch.undo()
+    kernels.paths.cache_clear()
+    cpu_features.amx_allowed.cache_clear()
+
+
+def test_without_onednn_bf16_or_amx_each_fused_path_falls_back_to_pytorch(built, fresh_paths, monkeypatch):
+    """A CPU without oneDNN's bf16 inner product (AVX2-only) or with the AMX tiles forbidden: linear
+    layers take F.linear (bit for bit its output) and copy an operand for the weight gradient, and the
+    attention is left to the model; the kernels' portable parts still run."""
+    monkeypatch.setattr(fresh_paths, "onednn_bf16_linear", lambda: False)
+    monkeypatch.setenv("VITRAIN_AMX", "off")
+    assert kernels.paths() == kernels.Paths(bias_in_product=False, amx_tiles=False)
+    pointwise = []
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_linear_pointwise", lambda *args: pointwise.append(args), raising=False
+    )  # must not be reached
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(128, 64).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(128).to(torch.bfloat16).requires_grad_()
+    out = kernels.linear(x, weight, bias)
+    assert out.grad_fn.name().endswith("_LinearBackward") and not pointwise
+    assert torch.equal(out, F.linear(x, weight, bias))
+    grads = torch.autograd.grad(out, (x, weight, bias), torch.ones_like(out))
+    reference = torch.autograd.grad(F.linear(x.double(), weight.double(), bias.double()).sum(), (x, weight, bias))
+    assert max(_relative_errors(grads, [r.double() for r in reference])) < 2**-7
+    assert kernels.attention(torch.randn(2, 5, 3 * 64).to(torch.bfloat16), 32, 0.1) is None
+
+
+def test_the_bias_goes_inside_the_product_only_where_onednn_has_bf16(built, fresh_paths, monkeypatch):
+    from vitrain import cpu_features
+
+    native = cpu_features.onednn_bf16_linear()
+    assert kernels.paths().bias_in_product == native
+    calls = []
+    original = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or original(*args))
+    x, weight, bias = torch.randn(4, 32).bfloat16(), torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
+    kernels.linear(x, weight, bias)
+    assert calls == ([1] if native else [])
+
+
+def test_a_bad_amx_switch_is_a_config_error_naming_it(fresh_paths, monkeypatch):
+    from vitrain.config import ConfigError, Hardware
+
+    monkeypatch.setenv("VITRAIN_AMX", "maybe")
+    with pytest.raises(ConfigError, match="VITRAIN_AMX='maybe' is not understood; use VITRAIN_AMX=off"):
+        Hardware.detect("cpu")
+    fresh_paths.amx_allowed.cache_clear()
+    monkeypatch.setenv("VITRAIN_AMX", "off")
+    assert not fresh_paths.amx_allowed()
+
+
+def test_bf16_without_native_support_warns_once_that_fp32_is_faster(fresh_paths, monkeypatch, caplog):
+    monkeypatch.setattr(fresh_paths, "_warned_emulated_bf16", False)
+    monkeypatch.setattr(fresh_paths, "cpu_bf16_native", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        fresh_paths.warn_if_bf16_emulated("cpu", "bf16")  # native: nothing to say
+        monkeypatch.setattr(fresh_paths, "cpu_bf16_native", lambda: False)
+        fresh_paths.warn_if_bf16_emulated("cpu", "fp32")
+        fresh_paths.warn_if_bf16_emulated("cuda:0", "bf16")
+        for _ in range(3):
+            fresh_paths.warn_if_bf16_emulated("cpu", "bf16")
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "emulated" in messages[0] and "precision=fp32 (or auto) is faster" in messages[0]

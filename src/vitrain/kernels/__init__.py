@@ -38,6 +38,8 @@ table", "Attention on AMX tiles" and "Linear layers on AMX tiles"):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -46,6 +48,8 @@ from types import ModuleType
 from typing import Literal
 
 import torch
+
+from vitrain import cpu_features
 
 log = logging.getLogger("vitrain")
 
@@ -124,6 +128,36 @@ def load() -> ModuleType | None:
                 )
                 log.warning("fused CPU kernels unavailable, using PyTorch's ops (%s)", _failure)
     return _module
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    """The fused paths this process takes beyond the kernels' portable C++, decided once by
+    :func:`paths` from what this CPU and this build of torch support; where one is not taken,
+    PyTorch's ops (or the kernels' portable path) run instead."""
+
+    bias_in_product: bool
+    """Linear layers add the bias inside oneDNN's bf16 product (``cpu_features.onednn_bf16_linear``)."""
+    amx_tiles: bool
+    """Attention and weight gradients on AMX tiles: the CPU has AMX-BF16, the kernels were built with
+    it, and ``VITRAIN_AMX`` does not forbid it."""
+
+
+@functools.cache
+def paths() -> Paths:
+    """:class:`Paths` for this process (the extension is built first if it is not yet)."""
+    module = load()
+    chosen = Paths(
+        bias_in_product=cpu_features.onednn_bf16_linear(),
+        amx_tiles=module is not None and cpu_features.amx_allowed() and bool(module.amx_available()),
+    )
+    if module is not None:
+        log.debug(
+            "fused CPU kernels: bias inside oneDNN's bf16 product %s, AMX tiles %s",
+            "yes" if chosen.bias_in_product else "no (PyTorch's F.linear)",
+            "yes" if chosen.amx_tiles else "no (feature-major copies, explicit or SDPA attention)",
+        )
+    return chosen
 
 
 def _applies(x: torch.Tensor, *params: torch.Tensor | None, under_autocast: bool = False) -> bool:
@@ -293,20 +327,22 @@ def _tiled_weight_gradient(weight: torch.Tensor) -> bool:
     """Whether ``weight_gradient.cpp`` takes the layer's weight gradient: AMX tiles, both widths
     multiples of 32."""
     out_features, in_features = weight.shape
-    return out_features % 32 == 0 and in_features % 32 == 0 and _module.amx_available()
+    return out_features % 32 == 0 and in_features % 32 == 0 and paths().amx_tiles
+
+
+def _bias_in_product() -> bool:
+    return paths().bias_in_product
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``; with a bias, oneDNN's linear primitive with the bias inside it where this torch
-    has it (``mkldnn._linear_pointwise``, the op inductor emits on CPU): ``F.linear`` on bf16 adds the
+    """``F.linear``; with a bias, oneDNN's linear primitive with the bias inside it where this CPU and
+    this torch have it (``mkldnn._linear_pointwise``, the op inductor emits on CPU; oneDNN has no bf16
+    inner product on AVX2-only CPUs, where ``F.linear`` runs): ``F.linear`` on bf16 adds the
     bias as a separate pass over the output, 1.10 against 0.73 ms for 8320 x 192 -> 768 (docs/
     benchmarks.md, "Linear layers on AMX tiles"). It also adds the bias before rounding to bf16."""
-    if bias is not None and _HAS_LINEAR_POINTWISE:
+    if bias is not None and _bias_in_product():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
-
-
-_HAS_LINEAR_POINTWISE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class _Linear(torch.autograd.Function):
@@ -519,6 +555,6 @@ def attention(qkv: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor | 
     else None. Scores and softmax are float32, so it also meets ``model.attn_softmax_fp32``."""
     if qkv.dim() != 3 or head_dim % 32 or qkv.shape[-1] % (3 * head_dim) or qkv.shape[1] > MAX_ATTENTION_TOKENS:
         return None
-    if not _applies(qkv, under_autocast=True) or not _module.amx_available():
+    if not _applies(qkv, under_autocast=True) or not paths().amx_tiles:
         return None
     return _Attention.apply(qkv.contiguous(), qkv.shape[-1] // (3 * head_dim), scale)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-from vitrain import kernels
+from vitrain import cpu_features, kernels
 from vitrain.checkpoint import CheckpointError, CheckpointManager, find_latest_checkpoint, load_checkpoint
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.sharded import (
@@ -170,8 +170,9 @@ def build_training_step(plan: Plan) -> TrainStep:
     """Seeded model, optimizer, schedule, scaler and the step that holds them (training and bench)."""
     configure_host_allocator(plan.config.train.host_allocator)  # before the step's first allocations
     kernels.set_mode(plan.config.train.cpu_kernels)
+    cpu_features.warn_if_bf16_emulated(plan.device, plan.precision)
     if plan.device == "cpu" and plan.precision == "bf16" and plan.precision_mode != "autocast":
-        kernels.load()  # where they will apply, build (or load the cached build) before any clock starts
+        kernels.paths()  # where they will apply: build (or load the cached build) and probe before any clock
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
     if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
