@@ -345,3 +345,17 @@ def test_window_ms_times_each_window_per_call_after_the_warm_up():
     assert len(calls) == 2 + 3 * 4 and len(windows) == 3
     # milliseconds per call (at least the 5 ms slept), not per window of 4 calls (20 ms and more)
     assert all(5 <= window < 20 for window in windows)
+
+
+@pytest.mark.parametrize("precision_mode", ["autocast", "o2"])
+def test_compiled_step_with_activation_checkpointing_measures(precision_mode):
+    """The ladder's last rung when compile was kept: a whole-model graph around checkpointed blocks
+    saved other tensors than the eager recomputation (CheckpointError); the bench compiles per block."""
+    import dataclasses
+
+    from vitrain.bench import measure_training_step
+
+    plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
+    plan = plan_for([f"precision_mode={precision_mode}", "train.activation_checkpointing=all"])
+    record = measure_training_step(plan, dataclasses.replace(settings, compile=True))
+    assert record["compile"] and record["img_s_median"] > 0

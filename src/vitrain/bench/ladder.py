@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vitrain.bench.throughput import BenchSettings, measure_training_step
 from vitrain.config import Plan
 from vitrain.report import pyplot
@@ -70,6 +72,9 @@ def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) ->
         try:
             for extra in candidates:
                 log.info("ladder rung '%s' %s", rung.name, " ".join(extra))
+                # each measurement compiles afresh: graphs an earlier rung left for the same block code
+                # are not its own, and its compile time is measured whole
+                torch._dynamo.reset()
                 measured.append((extra, measure_training_step(plan_for([*kept, *extra]), rung_settings)))
         except Exception as error:  # noqa: BLE001  (a rung this model or device cannot take is reported, not fatal)
             log.warning("ladder rung '%s' skipped: %s", rung.name, error)

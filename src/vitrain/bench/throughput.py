@@ -32,6 +32,7 @@ from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
+from vitrain.parallel.parallelize import apply_block_compile
 from vitrain.train.attention_probe import attention_impl
 from vitrain.train.loop import build_training_step
 
@@ -230,7 +231,13 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
     model = step.model
     model.train()
     # O2 runs forward and backward on a low-precision copy: that is the module to compile.
-    apply_compile(step.low_precision.compute if step.low_precision else model, settings)
+    forward_module = step.low_precision.compute if step.low_precision else model
+    if settings.compile and plan.config.train.activation_checkpointing:
+        # per block, as training compiles: around checkpointed blocks a whole-model graph saves other
+        # tensors than the eager recomputation in backward does (CheckpointError)
+        apply_block_compile(forward_module, settings.compile_backend)
+    else:
+        apply_compile(forward_module, settings)
     images, labels = synthetic_batch(plan)
     log.info(
         "bench %s: batch %d at %d px, %s%s on %s, %d warm-up + %d x %d steps",
