@@ -65,10 +65,10 @@ def _weights(path):
     return load_checkpoint(path)["model"]
 
 
-def _assert_close(ours, reference):
+def _assert_close(ours, reference, atol=2e-5):
     assert ours.keys() == reference.keys()
     for key in reference:
-        assert torch.allclose(ours[key], reference[key], rtol=1e-4, atol=2e-5), (
+        assert torch.allclose(ours[key], reference[key], rtol=1e-4, atol=atol), (
             key,
             (ours[key] - reference[key]).abs().max().item(),
         )
@@ -121,7 +121,10 @@ def test_ddp_with_gradient_accumulation_matches_one_process(one_process_run, tmp
     result = torchrun(["train", *_set_args(_overrides(out_dir, "train.micro_batch_size=3"))])
     assert result.returncode == 0, result.stderr[-3000:]
     final = "checkpoints/step-000000018.pt"
-    _assert_close(_weights(out_dir / final), _weights(one_process_run / final))
+    # micro-batches sum the gradient in another order; AdamW's normalized step turns that float32
+    # noise in small gradients into weight differences up to 2.2e-5 after 18 steps (AVX512 EPYC);
+    # a micro-batch lost or counted twice changes the gradient itself, not its last bits
+    _assert_close(_weights(out_dir / final), _weights(one_process_run / final), atol=5e-5)
 
 
 def test_ddp_with_muon_matches_one_process(tmp_path):
