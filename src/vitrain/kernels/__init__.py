@@ -54,9 +54,8 @@ from vitrain import cpu_features
 log = logging.getLogger("vitrain")
 
 Mode = Literal["auto", "fused", "native"]
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "weight_gradient.cpp")
-]  # and common.h, tiles.h
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "weight_gradient.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "tiles.h")]
 
 _mode: Mode = "auto"
 _module: ModuleType | None = None
@@ -88,6 +87,11 @@ def _build() -> ModuleType:
     finally:
         quiet.setLevel(level)
 
+    missing = [path.name for path in SOURCES + HEADERS if not path.is_file()]
+    if missing:  # an install that left them out; the compiler's own message would not say so
+        raise FileNotFoundError(
+            f"kernel sources missing from {Path(__file__).parent}: {', '.join(missing)}; reinstall vitrain"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
     capability = "AVX512" if capability.startswith("AVX512") else capability  # AVX512 / AVX2 / DEFAULT
     return cpp_extension.load(

@@ -1,0 +1,49 @@
+"""What a non-editable install ships: every source of the fused CPU kernels, headers included."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vitrain import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "src" / "vitrain" / "kernels"
+
+
+def test_the_wheel_ships_every_kernel_source(tmp_path):
+    pytest.importorskip("setuptools", minversion="70.1", reason="building the wheel needs setuptools (the dev extra)")
+    tree = tmp_path / "tree"  # a copy: the build writes build/ and egg-info beside the sources
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, tree],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (wheel,) = tmp_path.glob("vitrain-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    sources = sorted(path.name for path in KERNELS.iterdir() if path.is_file() and path.suffix != ".pyc")
+    assert {"common.h", "tiles.h", "cpu.cpp"} <= set(sources)
+    missing = [name for name in sources if f"vitrain/kernels/{name}" not in shipped]
+    assert not missing, f"not in the wheel: {missing}"
+
+
+def test_missing_kernel_sources_are_named_once_and_the_run_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "HEADERS", [*kernels.HEADERS, tmp_path / "tiles.h"])
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        assert kernels.load() is None and kernels.load() is None
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "kernel sources missing from" in warnings[0] and "tiles.h" in warnings[0] and "reinstall" in warnings[0]
