@@ -1,4 +1,4 @@
-"""The Borealis benchmark (seed 004: Table 1 and the Figure 2 ablations) at this machine's scale:
+"""The Borealis benchmark (Irandoust et al. 2022: Table 1 and the Figure 2 ablations) at this machine's scale:
 Fashion-MNIST, one wall-clock training budget, four variants of the same 6-block, 192-wide model,
 several seeds. Writes each run under ``--out`` (config, metrics.jsonl, summary.json; a rerun with
 the same ``--out`` skips the runs already finished), a

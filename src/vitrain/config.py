@@ -223,7 +223,7 @@ class CurriculumStage(Section):
 
 
 class CurriculumConfig(Section):
-    """Image-size curriculum: early stages at lower resolution (Borealis, seed 004). The run ends at
+    """Image-size curriculum: early stages at lower resolution (Borealis: Irandoust et al. 2022). The run ends at
     data.image_size with train.batch_size; evaluation is always at data.image_size."""
 
     stages: list[CurriculumStage] = []

@@ -51,7 +51,7 @@ def test_forward_backward_shapes(name, head):
         assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), parameter_name
 
 
-# Seed 001's table, "Model size (M)" column (NeMo's ViT sizes).
+# NeMo's ViT documentation's table, "Model size (M)" column (NeMo's ViT sizes).
 SEED_001_MILLIONS = {
     "vit_base_patch16": 86,
     "vit_large_patch16": 303,
@@ -69,7 +69,7 @@ def test_parameter_counts_match_seed_table(name, millions):
 
 
 def test_seed_table_dimensions():
-    # hidden, FFN, heads, layers, patch: seed 001's table row by row.
+    # hidden, FFN, heads, layers, patch: NeMo's table row by row.
     rows = {
         "vit_base_patch16": (768, 3072, 12, 12, 16),
         "vit_large_patch16": (1024, 4096, 16, 24, 16),
@@ -120,7 +120,7 @@ def test_locality_ffn_mixes_neighbours_only_and_cls_bypasses_conv():
 
 @pytest.mark.parametrize("prefix", [0, 1])
 def test_locality_ffn_token_layout_matches_an_nchw_copy(prefix):
-    """The depthwise conv runs on a channels_last view of the tokens (no copy); the seed's
+    """The depthwise conv runs on a channels_last view of the tokens (no copy); the paper's
     Seq2Im/Im2Seq with an NCHW copy must give the same output and gradients (float64)."""
     torch.manual_seed(0)
     mlp = LocalityMlp(8, 16, num_prefix_tokens=prefix, dtype=torch.float64)

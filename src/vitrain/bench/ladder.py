@@ -1,4 +1,4 @@
-"""The cumulative ablation ladder of pycls's "faster ViT training" chart (seed 002): each rung keeps
+"""The cumulative ablation ladder of pycls's "faster ViT training" chart (Meta AI, 2022): each rung keeps
 the previous rungs' settings and adds one technique; throughput is reported relative to the first.
 
 fp32 baseline (for-loop optimizer, SDPA, eager, autocast) -> + low precision (bf16/fp16 autocast)

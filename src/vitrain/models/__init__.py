@@ -110,7 +110,7 @@ def num_parameters(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-# ViT sizes. Ti/S from DeiT (Touvron et al. 2021, Table 1); B and up exactly as seed 001's NeMo
+# ViT sizes. Ti/S from DeiT (Touvron et al. 2021, Table 1); B and up exactly as NeMo's ViT documentation's
 # table (hidden size, FFN size, heads, layers, patch); its "Model size" column is checked in tests.
 _VIT_SIZES = {
     "tiny": ({"embed_dim": 192, "depth": 12, "num_heads": 3}, "Ti", (16,)),
@@ -139,7 +139,7 @@ def _register_vit_family() -> None:
                 f"locality_vit_{size}_patch16",
                 VisionTransformer,
                 ViTArgs(**dims, patch_size=16, ffn="locality"),
-                f"locality ViT-{short}/16: 3x3 depthwise conv + h-swish in the FFN (seed 004)",
+                f"locality ViT-{short}/16: 3x3 depthwise conv + h-swish in the FFN (Irandoust et al. 2022)",
             )
     for size in _DEIT_SIZES:
         register_model(
@@ -174,7 +174,7 @@ def _register_localvit_family() -> None:
             f"localvit_{size}_patch16",
             build_localvit,
             ViTArgs(**fields),
-            f"LocalViT-{size[0].upper()}: BN + SE depthwise-conv FFN (Li et al. 2021), seed 004's baseline",
+            f"LocalViT-{size[0].upper()}: BN + SE depthwise-conv FFN (Li et al. 2021), the baseline of Irandoust et al. 2022",
         )
     register_model(
         "localvit_tiny6_patch7",
@@ -192,13 +192,16 @@ def _register_localvit_family() -> None:
 
 def _register_resnet_family() -> None:
     register_model(
-        "resnet50", build_resnet, ResNetArgs(depth=50), "ResNet-50 (He et al. 2016; seed 003), torchvision's"
+        "resnet50",
+        build_resnet,
+        ResNetArgs(depth=50),
+        "ResNet-50 (He et al. 2016; IBM's ImageNet mixed-precision benchmark), torchvision's",
     )
 
 
 def _register_volo_family() -> None:
     for name, args in VOLO_VARIANTS.items():
-        register_model(name, VOLO, args, f"VOLO-{name[-2:].upper()} (Yuan et al. 2021; seed 000)")
+        register_model(name, VOLO, args, f"VOLO-{name[-2:].upper()} (Yuan et al. 2021)")
 
 
 _register_vit_family()

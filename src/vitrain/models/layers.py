@@ -300,7 +300,7 @@ class Mlp(nn.Module):
 
 
 class LocalityMlp(nn.Module):
-    """FFN with locality (Borealis, seed 004 §2.1): FC expand -> Seq2Im -> 3x3 depthwise conv
+    """FFN with locality (Borealis: Irandoust et al. 2022, §2.1): FC expand -> Seq2Im -> 3x3 depthwise conv
     -> h-swish -> Im2Seq -> FC reduce.
 
     Prefix tokens (CLS) have no grid position, so they bypass the convolution and take
@@ -331,7 +331,7 @@ class LocalityMlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + MSA(LN(x)), then x + FFN(LN(x)) (seed 004, eq. 1)."""
+    """Pre-norm transformer block: x + MSA(LN(x)), then x + FFN(LN(x)) (Irandoust et al. 2022, eq. 1)."""
 
     def __init__(
         self,

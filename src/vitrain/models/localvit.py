@@ -1,5 +1,5 @@
 """LocalViT (Li et al., "LocalViT: Bringing Locality to Vision Transformers", arXiv 2104.05707):
-a DeiT whose FFN is an inverted residual block, the locality baseline of seed 004 (Borealis, §2.1
+a DeiT whose FFN is an inverted residual block, the locality baseline of Irandoust et al. 2022 (Borealis, §2.1
 and §3.2: "LocalViT uses 2D BatchNorm ... convolution layers ... h-swish and squeeze-and-excitation").
 
 The FFN (``LocalViTMlp``) reshapes the patch tokens to their grid and applies 1x1 conv expand ->
@@ -8,7 +8,7 @@ BatchNorm -> h-swish -> 3x3 depthwise conv -> BatchNorm -> h-swish -> squeeze-an
 ``ViTArgs.ffn="localvit"``.
 
 Choices that differ from the official code (github.com/ofsoundof/LocalViT, ``models/localvit.py``,
-the implementation seed 004 trained):
+the implementation Irandoust et al. 2022 trained):
 - Our transformer block keeps its LayerNorm and stochastic depth around the FFN
   (``x + drop_path(ffn(norm2(x)))``); the official block has neither (``x + ffn(x)``). This adds
   ``2 * embed_dim`` parameters per block (9,216 for LocalViT-S).

@@ -1,5 +1,5 @@
 """ResNet (He et al., "Deep Residual Learning for Image Recognition", CVPR 2016): the CNN baseline
-of seed 003 ("the official implementation of ResNet-50 by PyTorch").
+of IBM's ImageNet distributed mixed-precision benchmark ("the official implementation of ResNet-50 by PyTorch").
 
 The network is torchvision's ``ResNet``, subclassed rather than rewritten, so parameter names are
 torchvision's, which are also timm's (``conv1``, ``bn1``, ``layer1.0.conv1`` ... ``fc``): state dicts
@@ -10,7 +10,7 @@ Choices that differ from the paper:
   and timm's layout); the paper's option B projection shortcuts are kept.
 - ``zero_init_residual`` (default on) starts the last BatchNorm scale of every residual branch at
   zero, so each block begins as the identity (Goyal et al. 2017, "Accurate, Large Minibatch SGD",
-  §5.1), the large-batch recipe of seed 003.
+  §5.1), the large-batch recipe of that benchmark.
 - ``drop_rate`` adds dropout before the classifier (timm's ``drop_rate``); 0 by default.
 - ``in_chans`` other than 3 replaces the stem convolution by one of the same shape otherwise.
 """

@@ -1,9 +1,9 @@
 """Vision Transformer (Dosovitskiy et al., ICLR 2021) and the locality ViT (Irandoust et al.,
-"Training a ViT from scratch in less than 24 hours with 1 GPU", NeurIPS 2022 workshop; seed 004).
+"Training a ViT from scratch in less than 24 hours with 1 GPU", NeurIPS 2022 workshop).
 
 Choices that differ from the papers:
 - ``head="gap"`` drops the CLS token and classifies LayerNorm(mean of patch tokens), the pooled
-  classifier of pycls (seed 002) and timm's ``global_pool="avg"``; the final norm then moves
+  classifier of pycls (Meta AI, "Significantly faster Vision Transformer training", 2022) and timm's ``global_pool="avg"``; the final norm then moves
   after the pooling (``fc_norm``), as in timm, so state dicts stay interchangeable.
 - The locality FFN lets the CLS token skip the depthwise convolution (it has no grid position).
 - Initialization follows timm: truncated normal (std 0.02) for linear layers and position

@@ -12,7 +12,7 @@ from vitrain.recipes import register_recipe
 
 
 def _borealis_24h(model: str) -> Config:
-    """Seed 004, appendix A: AdamW, batch 64, lr 1e-3, no warmup, label smoothing, 24 h on 1 GPU."""
+    """Irandoust et al. 2022 (Borealis), appendix A: AdamW, batch 64, lr 1e-3, no warmup, label smoothing, 24 h on 1 GPU."""
     config = Config(precision="auto")
     config.model.name = model
     config.data.name = "imagefolder"
@@ -56,7 +56,7 @@ def localvit_s_24h_1gpu() -> Config:
 
 @register_recipe
 def nemo_vit_b16_224() -> Config:
-    """NeMo's ViT-B/16 pretraining (seed 001): 300 epochs at 224 px, batch 4096, Adam(W) (0.9, 0.999)
+    """NeMo's ViT-B/16 pretraining (NeMo's ViT documentation): 300 epochs at 224 px, batch 4096, Adam(W) (0.9, 0.999)
     lr 3e-3, cosine, weight decay 0.3, dropout 0.1. Fine-tune with nemo_vit_b16_ft_512."""
     config = Config(precision="auto", precision_mode="o2")
     config.model.name = "vit_base_patch16"
@@ -76,8 +76,8 @@ def nemo_vit_b16_224() -> Config:
 
 @register_recipe
 def nemo_vit_b16_ft_512() -> Config:
-    """NeMo's ViT-B/16 fine-tune at 512 px (seed 001): 20,000 steps at batch 512, SGD momentum 0.9,
-    cosine, no weight decay, lr in the seed's 0.003-0.06 range (0.03 here).
+    """NeMo's ViT-B/16 fine-tune at 512 px (NeMo's ViT documentation): 20,000 steps at batch 512, SGD momentum 0.9,
+    cosine, no weight decay, lr in the documentation's 0.003-0.06 range (0.03 here).
     `vitrain finetune --recipe nemo_vit_b16_ft_512 --from runs/nemo_vit_b16_224-*/checkpoints/step-*.pt
     --set data.root=/data/imagenet`."""
     config = nemo_vit_b16_224()
@@ -98,7 +98,7 @@ def nemo_vit_b16_ft_512() -> Config:
 
 
 def _volo(model: str, lr: float, drop_path: float, crop_pct: float) -> Config:
-    """Seed 000, Table 2: AdamW, batch 1024, lr = LRbase x batch / 1024, weight decay 0.05, 300 epochs."""
+    """NVIDIA's VOLO-on-DGX-SuperPOD walkthrough, Table 2: AdamW, batch 1024, lr = LRbase x batch / 1024, weight decay 0.05, 300 epochs."""
     config = Config(precision="auto", precision_mode="o2")
     config.model.name = model
     config.model.drop_path_rate = drop_path
@@ -116,15 +116,15 @@ def _volo(model: str, lr: float, drop_path: float, crop_pct: float) -> Config:
 
 @register_recipe
 def volo_d1_224() -> Config:
-    """VOLO-D1 pretraining at 224 px (seed 000, Table 2: stochastic depth 0.1, crop ratio 0.96; the
+    """VOLO-D1 pretraining at 224 px (NVIDIA's VOLO-on-DGX-SuperPOD walkthrough, Table 2: stochastic depth 0.1, crop ratio 0.96; the
     table prints LRbase 1.6e-2, the official VOLO command uses 1.6e-3 at batch 1024, used here)."""
     return _volo("volo_d1", 1.6e-3, 0.1, 0.96)
 
 
 @register_recipe
 def volo_d5_224() -> Config:
-    """VOLO-D5 pretraining at 224 px, the seed's command: batch 44 x 8 GPUs, lr 1e-4, stochastic depth
-    0.75 (seed 000; its crop ratio 1.15 is above this config's limit of 1.0, so 1.0 is used)."""
+    """VOLO-D5 pretraining at 224 px, the walkthrough's command: batch 44 x 8 GPUs, lr 1e-4, stochastic depth
+    0.75 (the same walkthrough; its crop ratio 1.15 is above this config's limit of 1.0, so 1.0 is used)."""
     config = _volo("volo_d5", 1e-4, 0.75, 1.0)
     config.train.batch_size = 352
     config.optim.reference_batch = 352
@@ -133,7 +133,7 @@ def volo_d5_224() -> Config:
 
 @register_recipe
 def volo_d5_ft_512() -> Config:
-    """VOLO-D5 fine-tune at 512 px, the seed's command: batch 4 x 8 GPUs, lr 2.3e-5, stochastic depth
+    """VOLO-D5 fine-tune at 512 px, the walkthrough's command: batch 4 x 8 GPUs, lr 2.3e-5, stochastic depth
     0.5, 30 epochs, weight decay 1e-8, warmup 5 epochs.
     `vitrain finetune --recipe volo_d5_ft_512 --from runs/volo_d5_224-*/checkpoints/step-*.pt --set data.root=...`."""
     config = _volo("volo_d5", 2.3e-5, 0.5, 1.0)

@@ -8,7 +8,7 @@ from vitrain.recipes import register_recipe
 
 @register_recipe
 def imagenet_locality_vit_s() -> Config:
-    """Locality ViT-S/16 at 224 px with the Borealis hyper-parameters (seed 004, appendix A):
+    """Locality ViT-S/16 at 224 px with the Borealis hyper-parameters (Irandoust et al. 2022, appendix A):
     AdamW, batch 64, lr 1e-3, no warmup, label smoothing. Curriculum and 24 h budget come with
     the budget recipes. `vitrain train --recipe imagenet_locality_vit_s --set data.root=/data/imagenet`."""
     config = Config(precision="auto")
