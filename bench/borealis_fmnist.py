@@ -20,12 +20,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from vitrain.cli import make_plan
 from vitrain.config import build_config
 from vitrain.metrics import read_jsonl
 from vitrain.recipes import get_recipe
 from vitrain.report import pyplot
-from vitrain.train import train
+from vitrain.train import make_plan, train
 
 # The paper's models use the patchify stem at 28 px, patch 7 (the default recipe's is a conv stem at 32 px).
 PATCH7 = ["data.image_size=28"]

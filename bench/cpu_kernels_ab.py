@@ -24,8 +24,8 @@ import time
 from vitrain import kernels
 from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
-from vitrain.cli import make_plan
 from vitrain.config import Config, build_config
+from vitrain.train import make_plan
 from vitrain.train.loop import build_training_step
 
 

@@ -15,12 +15,12 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from vitrain.checkpoint import CheckpointError
-from vitrain.config import Config, ConfigError, Hardware, Plan, World, build_config, config_to_yaml, resolve
+from vitrain.config import Config, ConfigError, Hardware, World, build_config, config_to_yaml
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
+from vitrain.train import make_plan
 from vitrain.train.loop import TrainingDiverged
 from vitrain.train.signals import Preempted
 
@@ -207,15 +207,6 @@ def command_slurm(args: argparse.Namespace) -> int:
 
 def load_config(base: Config, args: argparse.Namespace) -> Config:
     return build_config(base, args.config, args.overrides)
-
-
-def make_plan(config: Config, world: World | None = None) -> Plan:
-    from vitrain.data import describe_source
-    from vitrain.parallel.distributed import broadcast_object
-
-    now = broadcast_object(time.strftime("%Y%m%d-%H%M%S"))  # one run folder for all processes
-    hardware = Hardware.detect(config.train.device)
-    return resolve(config, describe_source(config.data), hardware, now=now, world=world or World())
 
 
 @contextlib.contextmanager

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_config
-from vitrain.cli import make_plan
 from vitrain.config import ConfigError, DataConfig
 from vitrain.data.sources import FASHION_MNIST_ROOT, fashion_mnist_root
 from vitrain.metrics import read_jsonl
 from vitrain.recipes import get_recipe
-from vitrain.train import train
+from vitrain.train import make_plan, train
 
 
 def _have_fashion_mnist() -> bool:

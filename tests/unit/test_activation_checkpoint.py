@@ -7,11 +7,10 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import make_plan
 from vitrain.config import ConfigError
 from vitrain.models import build_model
 from vitrain.parallel import apply_activation_checkpointing
-from vitrain.train import train
+from vitrain.train import make_plan, train
 
 
 def _gradients(name: str, blocks, img_size: int, **overrides) -> tuple[dict, list[str]]:

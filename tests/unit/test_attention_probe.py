@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import make_config
-from vitrain.cli import make_plan
 from vitrain.models import build_model
-from vitrain.train import attention_probe, build_model_for
+from vitrain.train import attention_probe, build_model_for, make_plan
 
 
 @pytest.fixture

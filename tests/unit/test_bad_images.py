@@ -16,10 +16,11 @@ import torch
 from PIL import ExifTags, Image, ImageFile
 
 from tests.conftest import make_config
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.data import build_loaders
 from vitrain.data.check import check_image_folder
 from vitrain.data.decode import BadImage, decode_image
+from vitrain.train import make_plan
 
 BOMB_PIXELS = 100 * 80
 LIMIT = 5000  # data.max_image_pixels in these tests: the bomb exceeds it, every other file is far below

@@ -19,12 +19,13 @@ from vitrain.bench import (
     timm_reference,
     window_ms,
 )
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.config import Config, ConfigError, build_config
 from vitrain.metrics.peak import CUDA_PEAKS, cuda_peak, measure_cpu_peak
 from vitrain.models import build_model
 from vitrain.models.flops import model_flops
 from vitrain.recipes import get_recipe
+from vitrain.train import make_plan
 
 RECORD_FIELDS = {
     "model", "image_size", "batch", "precision", "precision_mode", "compile", "device", "device_name", "threads",

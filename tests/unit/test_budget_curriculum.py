@@ -9,9 +9,8 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import make_plan
 from vitrain.metrics import read_jsonl
-from vitrain.train import loop, train
+from vitrain.train import loop, make_plan, train
 
 
 def _train_records(plan):

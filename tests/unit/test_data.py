@@ -11,7 +11,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from tests.conftest import make_config, write_idx
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.config import ConfigError
 from vitrain.data import Normalize, build_loaders, describe_source
 from vitrain.data.loader import FileLoader, InMemoryLoader
@@ -24,6 +24,7 @@ from vitrain.data.transforms import (
     batch_random_translate,
     build_train_transform,
 )
+from vitrain.train import make_plan
 
 
 def _collect(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:

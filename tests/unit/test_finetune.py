@@ -9,10 +9,10 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.config import ConfigError
 from vitrain.models import load_pretrained, resample_pos_embed
-from vitrain.train import train
+from vitrain.train import make_plan, train
 from vitrain.train.loop import apply_init_from, build_run
 
 

@@ -15,8 +15,8 @@ from vitrain.train.host_memory import glibc
 # count the page faults of 4 further rounds of allocating, touching and freeing 64 MiB.
 _PROBE = """
 import json, resource, sys, torch
-from vitrain.cli import make_plan
 from vitrain.config import Config, build_config
+from vitrain.train import make_plan
 from vitrain.train.loop import build_training_step
 overrides = ["data.name=synthetic", "model.name=vit_tiny6_patch7", "data.image_size=14", "train.batch_size=4",
              "precision=fp32"]

@@ -10,10 +10,10 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
-from vitrain.train import train
+from vitrain.train import make_plan, train
 from vitrain.train.optim import MuonAdamW
 from vitrain.train.step import TrainStep, build_grad_scaler
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import make_config
-from vitrain.cli import make_plan
 from vitrain.models import build_model
+from vitrain.train import make_plan
 from vitrain.train.optim import Lamb, MuonAdamW, build_muon_param_groups, build_optimizer, orthogonalize
 
 

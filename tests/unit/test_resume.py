@@ -11,9 +11,8 @@ import pytest
 
 from tests.conftest import assert_same_training_state, make_config
 from vitrain.checkpoint import find_best_checkpoint, find_latest_checkpoint, load_checkpoint
-from vitrain.cli import make_plan
 from vitrain.metrics import read_jsonl
-from vitrain.train import train
+from vitrain.train import make_plan, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,9 +11,9 @@ import torch
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.metrics import read_jsonl
-from vitrain.train import train
+from vitrain.train import make_plan, train
 
 
 def test_loss_decreases_and_records_are_written(small_synthetic_overrides, tmp_path):

@@ -1,0 +1,64 @@
+"""One typed run configuration, loaded from recipe + YAML + ``--set`` overrides, resolved once.
+
+- :mod:`~vitrain.config.schema`: the sections and fields of :class:`Config`;
+- :mod:`~vitrain.config.loading`: recipe -> YAML files -> ``--set`` overrides -> validated config;
+- :mod:`~vitrain.config.resolve`: :func:`resolve` turns a config into a frozen :class:`Plan` holding
+  every derived number (scaled LR, steps per epoch, total and warmup steps, eval/checkpoint cadence)
+  before anything expensive runs (``vitrain.train.make_plan`` does so with this machine's facts).
+
+Every user mistake is raised as :class:`ConfigError`, whose one-line message names the dotted key and
+a fix.
+"""
+
+from __future__ import annotations
+
+from vitrain.config.loading import build_config, config_to_yaml, load_yaml, parse_override
+from vitrain.config.resolve import (
+    DatasetInfo,
+    Hardware,
+    Plan,
+    Stage,
+    World,
+    model_overrides,
+    parse_duration_s,
+    resolve,
+)
+from vitrain.config.schema import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    CurriculumConfig,
+    CurriculumStage,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "CurriculumConfig",
+    "CurriculumStage",
+    "DataConfig",
+    "DatasetInfo",
+    "Hardware",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "Plan",
+    "ScheduleConfig",
+    "Stage",
+    "TrainConfig",
+    "World",
+    "build_config",
+    "config_to_yaml",
+    "load_yaml",
+    "model_overrides",
+    "parse_duration_s",
+    "parse_override",
+    "resolve",
+]

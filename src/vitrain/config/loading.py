@@ -1,0 +1,118 @@
+"""Loading a config: recipe -> YAML files -> ``--set`` overrides, merged in that order and validated
+into one :class:`~vitrain.config.schema.Config`."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from vitrain.config.schema import Config, ConfigError
+
+
+def _format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    first = error.errors()[0]
+    # drop list indices and union-member tags ("constrained-int", "literal[...]") from the path
+    path = [part for part in first["loc"] if isinstance(part, str) and part.isidentifier()]
+    key = ".".join(([prefix] if prefix else []) + path) or "<config>"
+    if first["type"] == "extra_forbidden":
+        return _unknown_key_message(key)
+    got = first.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{key}: {first['msg']}{shown}; fix it in --config/--set (see `vitrain show-config`)"
+
+
+def _fields_of(key: str) -> list[str]:
+    """Dotted names of the keys beside ``key`` (its siblings), for suggestions."""
+    parent, _, _ = key.rpartition(".")
+    model: Any = Config
+    for part in filter(None, parent.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        model = field.annotation
+    prefix = f"{parent}." if parent else ""
+    return [prefix + name for name in model.model_fields]
+
+
+def _unknown_key_message(key: str) -> str:
+    close = difflib.get_close_matches(key, _fields_of(key), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "see `vitrain show-config` for the valid keys"
+    return f"unknown config key '{key}'; {hint}"
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(text: str) -> dict:
+    """``a.b=c`` -> ``{"a": {"b": c}}`` with ``c`` parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set '{text}': expected key=value, e.g. --set train.batch_size=128")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({error.problem})") from None
+    nested: dict = {}
+    cursor = nested
+    parts = key.split(".")
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    cursor[parts[-1]] = value
+    return nested
+
+
+def load_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass the path of a YAML config")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path}: not valid YAML ({error})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections at the top level")
+    return loaded
+
+
+LENGTH_KEYS = ("epochs", "steps", "samples", "budget")
+"""train.* keys that each give the run's length; a layer that sets one clears the others."""
+
+
+def _merge_layer(merged: dict, layer: dict, source: str) -> dict:
+    train_layer = layer.get("train") if isinstance(layer.get("train"), dict) else {}
+    lengths = [key for key in LENGTH_KEYS if train_layer.get(key) is not None]
+    if len(lengths) > 1:
+        raise ConfigError(f"{source} sets train.{lengths[0]} and train.{lengths[1]}: the run has one length; keep one")
+    if lengths and isinstance(merged.get("train"), dict):
+        merged = {**merged, "train": {**merged["train"], **{key: None for key in LENGTH_KEYS}}}
+    return _deep_merge(merged, layer)
+
+
+def build_config(base: Config, files: list[Path] = (), overrides: list[str] = ()) -> Config:
+    """Layer YAML files and ``key=value`` overrides over ``base``; validate once."""
+    merged = base.model_dump(mode="json")
+    for path in files:
+        merged = _merge_layer(merged, load_yaml(Path(path)), f"--config {path}")
+    for text in overrides:
+        merged = _merge_layer(merged, parse_override(text), f"--set {text}")
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

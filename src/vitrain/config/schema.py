@@ -1,0 +1,290 @@
+"""The typed sections of a run's configuration: every field with its default and a one-line doc.
+
+Unknown keys and wrong types fail validation (``extra="forbid"``); :mod:`vitrain.config.loading`
+turns that into a :class:`ConfigError` naming the dotted key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or its resources; the CLI exits with code 2."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    name: str = "locality_vit_tiny6_patch7"
+    """Registered model variant (see `vitrain list-models`)."""
+    patch_size: int | None = Field(None, ge=1)
+    """Patch size override; the variant's own when unset."""
+    head: Literal["cls", "gap"] | None = None
+    """Classifier input: CLS token or global average pool of the patch tokens; variant's when unset."""
+    stem: Literal["patch", "conv"] | None = None
+    """ViTs: patch (one strided convolution) or conv (Xiao et al. 2021: 3x3 stride-2 convolutions with
+    BatchNorm and ReLU, then 1x1; power-of-two patch sizes); the variant's (patch) when unset."""
+    mlp_ratio: float | None = Field(None, gt=0.0)
+    """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
+    num_heads: int | None = Field(None, ge=1)
+    """Attention heads (must divide the embedding width); the variant's when unset."""
+    attn_impl: Literal["auto", "sdpa", "matmul"] | None = None
+    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch), explicit matmuls, or auto
+    (both timed on this device at the run's shape when the model is built, the faster kept, the result
+    cached in ~/.cache/vitrain); the variant's (sdpa) when unset."""
+    attn_softmax_fp32: bool | None = None
+    """Matmul attention: scores q.k^T and softmax in fp32 under fp16/bf16 (DeiT's fix for fp16 NaN
+    losses; SDPA's kernels do this already); the variant's (off) when unset."""
+    drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Dropout on embeddings, MLP outputs and before the head; the variant's (0) when unset."""
+    attn_drop_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Dropout on attention probabilities; the variant's (0) when unset."""
+    drop_path_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    """Stochastic depth rate of the last block (linearly increasing from 0); the variant's when unset."""
+
+
+class DataConfig(Section):
+    name: Literal["fashion-mnist", "imagefolder", "synthetic"] = "fashion-mnist"
+    """Data source."""
+    root: Path | None = None
+    """Dataset folder; fashion-mnist defaults to /usr/share/datasets/fashion-mnist."""
+    image_size: int = Field(28, ge=1)
+    """Side of the square model input, in pixels."""
+    limit_train: int | None = Field(None, ge=1)
+    """Use only the first N training samples (quick runs)."""
+    limit_eval: int | None = Field(None, ge=1)
+    """Use only the first N evaluation samples (quick runs)."""
+    num_workers: int = Field(4, ge=0)
+    """Decode worker processes for file-backed sources (in-memory sources need none)."""
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    """Image folders: stop when more than this fraction of a split's files cannot be decoded (below it each is
+    skipped, replaced by the next decodable file and counted in summary.json); 0 stops at the first."""
+    max_image_pixels: int = Field(2 * 89_478_485, ge=1)
+    """Image folders: a file with more pixels is refused as a decompression bomb (default: Pillow's own limit)."""
+    scale: tuple[float, float] = (0.08, 1.0)
+    """RandomResizedCrop area range, as fractions of the image."""
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """RandomResizedCrop aspect-ratio range."""
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    """Probability of a horizontal flip."""
+    translate: int = Field(0, ge=0)
+    """Random translation after the crop: shift by up to this many pixels along each axis, filling with
+    black (torchvision's RandomCrop(image_size, padding=translate)); 0 turns it off."""
+    random_erase: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability of random erasing (Zhong et al. 2017, timm's rule): one rectangle of 2-33 % of the
+    image, aspect ratio 0.3-3.3, replaced by uniform noise; 0 turns it off."""
+    crop_pct: float = Field(0.875, gt=0.0, le=1.0)
+    """Eval: resize the short side to image_size / crop_pct, then center-crop image_size."""
+    mean: tuple[float, ...] | None = None
+    """Per-channel normalization mean (0..1 scale); the source's default when unset."""
+    std: tuple[float, ...] | None = None
+    """Per-channel normalization std (0..1 scale); the source's default when unset."""
+    synthetic_num_train: int = Field(4096, ge=1)
+    """Synthetic source: number of training samples."""
+    synthetic_num_eval: int = Field(1024, ge=1)
+    """Synthetic source: number of evaluation samples."""
+    synthetic_num_classes: int = Field(10, ge=2)
+    """Synthetic source: number of classes."""
+
+    @field_validator("scale", "ratio")
+    @classmethod
+    def _check_range(cls, value: tuple[float, float], info) -> tuple[float, float]:
+        low, high = value
+        if not 0 < low <= high:
+            raise ValueError(f"must be (low, high) with 0 < low <= high, got {value}")
+        if info.field_name == "scale" and high > 1:
+            raise ValueError(f"must not exceed 1.0 (a fraction of the image area), got {value}")
+        return value
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd", "muon", "lamb"] = "adamw"
+    """Optimizer. muon: Muon (orthogonalized momentum) on the blocks' weight matrices and AdamW (betas,
+    eps) on the rest (embeddings, head, norms, biases, depthwise kernels), one lr and weight decay.
+    lamb: LAMB (You et al. 2020) for large batches: the Adam step (betas, eps) with weight decay, scaled
+    per tensor by ||w|| / ||update|| (NVIDIA's variant, as apex and timm; eps 1e-6 is theirs)."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """fused: one kernel for all parameters; foreach: multi-tensor ops (pycls's "MTA"); for-loop: one
+    parameter at a time; auto: fused where torch has it for the device (CPU and CUDA), else foreach."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Base learning rate at optim.reference_batch; scaled linearly to the global batch."""
+    reference_batch: int = Field(1024, ge=1)
+    """Batch size at which optim.lr applies (lr = lr * global_batch / reference_batch)."""
+    weight_decay: float = Field(0.05, ge=0.0)
+    """Decoupled weight decay (LAMB: L2 inside its update); never on norms, biases, position embeddings or tokens."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """SGD momentum (Nesterov off)."""
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon's Nesterov momentum (optim.name=muon)."""
+    ns_steps: int = Field(5, ge=1, le=20)
+    """Newton-Schulz iterations per Muon update (optim.name=muon)."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+
+class ScheduleConfig(Section):
+    name: Literal["cosine", "constant"] = "cosine"
+    """LR decay after warmup."""
+    warmup_epochs: float = Field(0.0, ge=0.0)
+    """Linear warmup length, in epochs (fractions allowed)."""
+    warmup_start: float = Field(0.0, ge=0.0, le=1.0)
+    """Warmup starts at this fraction of the peak LR."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay, as a fraction of the peak LR."""
+
+
+class TrainConfig(Section):
+    batch_size: int = 256
+    """Global batch size (images per optimizer step); the final curriculum stage's."""
+    epochs: float | None = Field(10.0, gt=0.0)
+    """Training length in epochs (fractions allowed), unless train.steps, train.samples or train.budget is set.
+    Setting one of the four in a --config file or --set clears the other three."""
+    steps: int | None = Field(None, ge=1)
+    """Training length in optimizer steps; replaces train.epochs when set."""
+    samples: int | None = Field(None, ge=1)
+    """Training length in images; replaces train.epochs when set."""
+    budget: str | None = None
+    """Training length in wall-clock training seconds (evaluation and checkpoints excluded), e.g. 600s, 10m,
+    24h, 1h30m; the LR schedule and curriculum are planned against the fraction of it used."""
+    init_from: Path | None = None
+    """Fine-tune: start from the model weights of this checkpoint (position embeddings resampled to
+    data.image_size, the classifier re-initialized when the class count differs); optimizer, schedule
+    and counters start fresh. A resumed run continues from its own checkpoint instead."""
+    eval_batch_size: int | None = None
+    """Evaluation batch size; twice train.batch_size when unset."""
+    eval_every_epochs: int = Field(1, ge=0)
+    """Evaluate every N epochs (0: only at the end)."""
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    """Label smoothing of the cross-entropy loss."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Gradient accumulation: images per forward/backward on each process; every step accumulates over
+    its share of the global batch in pieces of this size (null: the whole share at once)."""
+    activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
+    """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
+    channels_last: bool = False
+    """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
+    convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
+    host_allocator: Literal["cached", "system"] = "cached"
+    """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
+    no trimming), so a step's tensors stop page-faulting in fresh pages (VOLO-D1 at 224 px on a 2-core
+    CPU: 3.37 -> 2.43 s a step); system: the C library's defaults (memory handed back as freed)."""
+    cpu_kernels: Literal["auto", "fused", "native"] = "auto"
+    """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
+    gradient sums. auto: used where they apply if they compile (first use, cached; needs g++ and ninja);
+    fused: fail if they cannot be built; native: PyTorch's own ops (vitrain/kernels, docs/benchmarks.md)."""
+    compile: bool = False
+    """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
+    model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
+    eval batch is padded) is compiled before the training clock starts, so budgets do not pay for it."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (inductor; cudagraphs, aot_eager, ... for debugging)."""
+    seed: int = 0
+    """Seed of model init, data order and augmentation."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu, cuda or cuda:N."""
+    out_dir: str = "runs/{recipe}-{time}"
+    """Run folder; {recipe} and {time} are filled in at start."""
+    log_every_steps: int = Field(50, ge=1)
+    """Write a metrics line every N steps (the only steps that synchronize with the device)."""
+    max_skipped_steps: int = Field(16, ge=0)
+    """A step whose loss or gradient norm is NaN/inf changes nothing (no update, like fp16 loss scaling);
+    more than this many such steps in a row stop the run with a diagnostic. 16: fp16's loss scale starts
+    at 2^16 and halves per skipped step, so a 17th skip in a row would happen at scale 1 (no scaling)."""
+    progress: bool | Literal["auto"] = "auto"
+    """Live progress bar (true/false); auto shows it only on a terminal."""
+
+
+class CurriculumStage(Section):
+    until: float = Field(gt=0.0, le=1.0)
+    """The stage lasts until this fraction of the run (in the run's duration unit) is done."""
+    image_size: int = Field(ge=1)
+    """Image side during the stage (a multiple of the patch size)."""
+    batch_size: int | None = Field(None, ge=1)
+    """Batch size during the stage; from curriculum.batch_rule when unset."""
+    lr_scale: float = Field(1.0, gt=0.0)
+    """Multiplier of the scheduled LR during the stage."""
+
+
+class CurriculumConfig(Section):
+    """Image-size curriculum: early stages at lower resolution (Borealis: Irandoust et al. 2022). The run ends at
+    data.image_size with train.batch_size; evaluation is always at data.image_size."""
+
+    stages: list[CurriculumStage] = []
+    """Explicit stages before the final one, in order of `until`."""
+    start_size: int | None = Field(None, ge=1)
+    """Linear rule: start at this size and grow by curriculum.grow_by every curriculum.grow_every_epochs
+    epochs up to data.image_size (the paper's best: 32, +32, every 5 epochs, to 224)."""
+    grow_by: int = Field(32, ge=1)
+    """Linear rule: pixels added at each growth."""
+    grow_every_epochs: float = Field(5.0, gt=0.0)
+    """Linear rule: epochs per size."""
+    batch_rule: Literal["fixed", "constant_tokens"] = "fixed"
+    """Batch size of stages that do not set one: fixed (train.batch_size) or constant_tokens (train.batch_size
+    times the final stage's tokens per image over the stage's, so each step carries as many tokens)."""
+
+
+class CheckpointConfig(Section):
+    every_epochs: int = Field(1, ge=0)
+    """Save every N epochs (0: only at the end)."""
+    format: Literal["auto", "file", "sharded"] = "auto"
+    """file: one step-N.pt holding the full model and optimizer (rank 0 writes; FSDP/TP gather first);
+    sharded: a step-N/ folder written by every rank with torch.distributed.checkpoint, loadable at any
+    process count; auto: sharded for fsdp/tp runs of several processes, else file."""
+    every_steps: int = Field(0, ge=0)
+    """Also save every N optimizer steps, mid-epoch included (0: off); a resumed run still ends bitwise equal."""
+    every_minutes: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Also save when this many wall-clock minutes (evaluation included) have passed since this session's
+    last checkpoint or its start (0: off): bounds the work a crash or a kill can lose."""
+    keep_last: int = Field(2, ge=1)
+    """Keep this many newest checkpoints, and also the one with the best eval top-1 (checkpoints/best.json)."""
+
+
+class ParallelConfig(Section):
+    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = "ddp"
+    """How several processes (torchrun) share the work. ddp: every process holds the model, gradients are
+    averaged; fsdp: FSDP2 shards parameters, gradients and optimizer state over the processes (per block,
+    then the root); tp: tensor parallelism inside each ViT block (column-parallel qkv/fc1, row-parallel
+    proj/fc2), every process sees the same batch; fsdp+tp: a 2-D mesh, TP inside groups of parallel.tp_size
+    processes and FSDP across them. In every mode the global batch means what it means in one process."""
+    tp_size: int = Field(0, ge=0)
+    """Processes per tensor-parallel group (fsdp+tp: required; tp: 0 means all processes)."""
+    fsdp_reshard: Literal["zero3", "zero2"] = "zero3"
+    """FSDP: zero3 frees each block's gathered parameters after its forward (least memory, gathers again in
+    backward); zero2 keeps them gathered until the backward (one all-gather per step, more memory)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep the sharded parameters, gradients and optimizer state in host memory (CUDA only)."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """Collective timeout: a rank that waits longer (a peer died or hangs) fails the job instead of hanging."""
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    recipe: str = "custom"
+    """Name of the recipe this config came from."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where the device
+    computes it natively (AVX512-bf16/AMX CPUs, CUDA compute capability 8+), else fp32. bf16 asked for on
+    a CPU without native support runs emulated (correct, slower than fp32)."""
+    precision_mode: Literal["autocast", "o2", "full"] = "autocast"
+    """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
+    weights are updated; full: weights, gradients and optimizer state all in bf16/fp16, no master copy
+    (pycls's "full FP16": fastest and leanest, but updates smaller than the weights' precision are lost
+    and can cost accuracy; BatchNorm stays fp32). No effect at fp32."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
