@@ -15,9 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vitrain.models import num_parameters
 from vitrain.models.flops import vit_flops
-from vitrain.models.localvit import LOCALVIT_SIZES, LocalViTMlp, build_localvit, localvit_mlp_flops
+from vitrain.models.localvit import LOCALVIT_SIZES, LocalViTMlp, localvit_mlp_flops
 from vitrain.models.resnet import RESNET_LAYOUTS, ResNet, ResNetArgs, resnet_flops
-from vitrain.models.vit import ViTArgs
+from vitrain.models.vit import ViTArgs, build_localvit
 from vitrain.train.optim import build_param_groups
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from vitrain.models.layers import resample_pos_embed
-from vitrain.models.localvit import LOCALVIT_SIZES, build_localvit
+from vitrain.models.localvit import LOCALVIT_SIZES
 from vitrain.models.resnet import ResNet, ResNetArgs, build_resnet
-from vitrain.models.vit import VisionTransformer, ViTArgs
+from vitrain.models.vit import VisionTransformer, ViTArgs, build_localvit
 from vitrain.models.volo import VOLO, VOLO_VARIANTS, VOLOArgs
 
 

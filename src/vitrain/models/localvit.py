@@ -5,7 +5,7 @@ and §3.2: "LocalViT uses 2D BatchNorm ... convolution layers ... h-swish and sq
 The FFN (``LocalViTMlp``) reshapes the patch tokens to their grid and applies 1x1 conv expand ->
 BatchNorm -> h-swish -> 3x3 depthwise conv -> BatchNorm -> h-swish -> squeeze-and-excitation ->
 1x1 conv reduce -> BatchNorm. The rest of the network is our ``VisionTransformer`` with
-``ViTArgs.ffn="localvit"``.
+``ViTArgs.ffn="localvit"`` (``vitrain.models.vit.build_localvit``).
 
 Choices that differ from the official code (github.com/ofsoundof/LocalViT, ``models/localvit.py``,
 the implementation Irandoust et al. 2022 trained):
@@ -26,16 +26,11 @@ weight 1 and bias 0 (timm's ``_init_weights``, which the official code applies).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from vitrain import kernels
 from vitrain.models.layers import Grid, image_as_tokens, split_prefix, tokens_as_image
-
-if TYPE_CHECKING:
-    from vitrain.models.vit import VisionTransformer, ViTArgs
 
 # Official variants (models/localvit.py: localvit_tiny_mlp4_act3_r192, localvit_small_mlp4_act3_r384)
 # as ViTArgs fields; the paper reports 5.9M and 22.4M parameters for them (Li et al. 2021).
@@ -116,13 +111,3 @@ def localvit_mlp_flops(dim: int, hidden: int, num_tokens: int, grid: Grid, se_re
     depthwise = 2 * patches * hidden * 3 * 3
     squeeze_excitation = 2 * hidden * se_hidden * 2  # once per image, on the pooled vector
     return pointwise + depthwise + squeeze_excitation
-
-
-def build_localvit(args: ViTArgs, device=None, dtype=None) -> VisionTransformer:
-    """A ``VisionTransformer`` with LocalViT's FFN; ``args.ffn`` must be ``"localvit"``."""
-    if args.ffn != "localvit":
-        raise ValueError(f"build_localvit needs ViTArgs.ffn='localvit', got {args.ffn!r}")
-    # vit.py imports this module (for LocalViTMlp), so the import goes here to avoid a cycle.
-    from vitrain.models.vit import VisionTransformer
-
-    return VisionTransformer(args, device=device, dtype=dtype)

@@ -152,3 +152,11 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))
+
+
+def build_localvit(args: ViTArgs, device=None, dtype=None) -> VisionTransformer:
+    """A ``VisionTransformer`` with LocalViT's FFN (``vitrain.models.localvit``); ``args.ffn`` must be
+    ``"localvit"``."""
+    if args.ffn != "localvit":
+        raise ValueError(f"build_localvit needs ViTArgs.ffn='localvit', got {args.ffn!r}")
+    return VisionTransformer(args, device=device, dtype=dtype)

@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from vitrain.config import Plan
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from vitrain.precision import LOW_PRECISION_DTYPES
 
 log = logging.getLogger("vitrain")
 
@@ -79,8 +80,6 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
     """FSDP2 per block, then the root (whose remaining parameters form one more group)."""
-    from vitrain.train.step import LOW_PRECISION_DTYPES  # vitrain.train imports this module
-
     parallel = plan.config.parallel
     o2 = plan.precision_mode == "o2" and plan.precision in LOW_PRECISION_DTYPES
     policy = MixedPrecisionPolicy(

@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vitrain.parallel.distributed import holds_dtensors
-
-LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from vitrain.precision import LOW_PRECISION_DTYPES
 
 
 def autocast_context(precision: str, device: str) -> contextlib.AbstractContextManager:
