@@ -40,7 +40,7 @@ def fmnist() -> Config:
 def fmnist_10m() -> Config:
     """The Borealis benchmark (Irandoust et al. 2022) at this machine's scale: the default run with a 10-minute
     training budget (evaluation excluded) on 2 CPU cores. `vitrain train --recipe fmnist_10m`;
-    the variants compared in docs/results.md come from bench/borealis_fmnist.py."""
+    the variants compared in docs/results.md come from experiments/borealis_fmnist.py."""
     config = fmnist()
     config.train.budget = "10m"
     return config

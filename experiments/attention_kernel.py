@@ -1,7 +1,7 @@
 """The attention core alone: the AMX kernel against the explicit attention (MatmulAttention), forward
 and forward + backward, alternating in one process.
 
-    python bench/attention_kernel.py --shape 128,65,3,64 --shape 32,197,6,64 --shape 32,196,12,32
+    python experiments/attention_kernel.py --shape 128,65,3,64 --shape 32,197,6,64 --shape 32,196,12,32
 
 Each shape is batch,tokens,heads,head_dim (ViT-Ti/4 at 32 px with batch 128, ViT-S/16 and VOLO-D1's
 transformer stages at 224 px with batch 32 by default), bf16 qkv as the fused projection gives it.

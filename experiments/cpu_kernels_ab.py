@@ -1,6 +1,6 @@
 """Training-step time with PyTorch's ops against the fused CPU kernels, alternating in one process.
 
-    python bench/cpu_kernels_ab.py --model locality_vit_small_patch16 --image-size 224 --batch 32 \
+    python experiments/cpu_kernels_ab.py --model locality_vit_small_patch16 --image-size 224 --batch 32 \
         --rounds 4 --steps 2 --set model.attn_impl=matmul
 
 One O2 bf16 training step is built as ``vitrain bench`` builds it; then, for ``--rounds`` rounds,

@@ -1,7 +1,7 @@
 """The forms of a linear layer's products on CPU, alone: bias in the product or after it, and the
 weight gradient from each operand layout.
 
-    python bench/linear_forms.py --tokens 8320 --width 192 --hidden 768 --repeats 30
+    python experiments/linear_forms.py --tokens 8320 --width 192 --hidden 768 --repeats 30
 
 Per layer shape (the ViT blocks' qkv, proj, fc1, fc2 at ``--width`` and ``--hidden``), bf16:
 

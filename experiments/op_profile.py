@@ -1,6 +1,6 @@
 """Where a training step's time goes, per aten op, on CPU.
 
-    python bench/op_profile.py --model vit_tiny_patch16 --image-size 32 --batch 128 \
+    python experiments/op_profile.py --model vit_tiny_patch16 --image-size 32 --batch 128 \
         --precision bf16 --precision-mode o2 --steps 3 --set model.patch_size=4 --set model.attn_impl=matmul
 
 Builds the step exactly as ``vitrain bench`` does (same overrides, same ``build_training_step``),

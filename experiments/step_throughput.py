@@ -3,7 +3,7 @@
 Used to choose the default recipe's model and attention kernel; `vitrain bench` (issue 4) will
 supersede it. Example (the figures in docs/benchmarks.md):
 
-    .venv/bin/python bench/step_throughput.py --image-size 28 --in-chans 1 \
+    .venv/bin/python experiments/step_throughput.py --image-size 28 --in-chans 1 \
         --variant locality_vit_tiny6_patch7:patch_size=7:attn_impl=matmul \
         --variant locality_vit_tiny6_patch7:patch_size=7:attn_impl=sdpa \
         --variant locality_vit_tiny6_patch7:patch_size=4:attn_impl=matmul

@@ -12,7 +12,7 @@ Three ways to run the same blocks (same weights), forward + backward, timed alte
 Before timing, the outputs of the three are checked equal (so the timings compare the same
 function). Example (the figures in docs/benchmarks.md):
 
-    python bench/token_layout.py --model vit_tiny_patch16 --patch-size 4 --image-size 32 --batch 128
+    python experiments/token_layout.py --model vit_tiny_patch16 --patch-size 4 --image-size 32 --batch 128
 """
 
 from __future__ import annotations

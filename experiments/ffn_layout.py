@@ -2,8 +2,8 @@
 and the plain ``Mlp`` at the default recipe's shapes (batch 256, a 4x4 patch grid, width 192,
 hidden 384, fp32, training mode), to compare FFN layouts across revisions:
 
-    python bench/ffn_layout.py                                   # this checkout
-    git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/src python bench/ffn_layout.py   # REV's
+    python experiments/ffn_layout.py                                   # this checkout
+    git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/src python experiments/ffn_layout.py   # REV's
 
 Prints the median milliseconds per forward + backward over ``--repeats`` windows; docs/benchmarks.md
 records the figures with the device.

@@ -2,8 +2,8 @@
 finiteness flag of loss and gradient norm, saving and restoring BatchNorm statistics, the skip
 counters), timed alone, against the whole step. The figures in docs/reliability.md:
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/skip_overhead.py --model localvit_tiny6_patch7 --batch 128
-    OMP_NUM_THREADS=1 .venv/bin/python bench/skip_overhead.py --model vit_tiny6_patch7 --batch 16
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/skip_overhead.py --model localvit_tiny6_patch7 --batch 128
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/skip_overhead.py --model vit_tiny6_patch7 --batch 16
 
 (Timing the step before and after the change directly drowned in the noise of a shared 2-core
 machine: +-5 % between alternating windows.)

@@ -5,7 +5,7 @@ the same ``--out`` skips the runs already finished), a
 ``results.json`` with mean and std per variant, and ``accuracy_vs_time.png`` (test top-1 after each
 epoch against training seconds) when matplotlib is installed.
 
-    python bench/borealis_fmnist.py --budget 10m --seeds 0 1 2 --out records/borealis-fmnist-10m-<date>
+    python experiments/borealis_fmnist.py --budget 10m --seeds 0 1 2 --out records/borealis-fmnist-10m-<date>
 
 Variants: a DeiT-style ViT (plain FFN), LocalViT (BatchNorm + SE depthwise FFN), the locality ViT
 without curriculum, and the locality ViT with an image-size curriculum
