@@ -1,6 +1,6 @@
 """Training-step throughput of model variants on synthetic batches (forward, backward, AdamW).
 
-Used to choose the default recipe's model and attention kernel; `vitrain bench` (issue 4) will
+Used to choose the default recipe's model and attention kernel; `vitrain bench` will
 supersede it. Example (the figures in docs/benchmarks.md):
 
     .venv/bin/python experiments/step_throughput.py --image-size 28 --in-chans 1 \

@@ -1,4 +1,4 @@
-"""Batch-first against batch-second token layout for a stack of ViT blocks (issue 4; pycls ran its
+"""Batch-first against batch-second token layout for a stack of ViT blocks (pycls ran its
 ViT batch-second, the layout ``nn.MultiheadAttention`` took natively).
 
 Three ways to run the same blocks (same weights), forward + backward, timed alternately:

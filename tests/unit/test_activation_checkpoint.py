@@ -90,7 +90,7 @@ def _saved_activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int
 
 @pytest.mark.parametrize("name", ["vit_base_patch16", "volo_d1"])
 def test_checkpointing_every_block_keeps_at_most_half_the_activations(name):
-    # issue 4's memory target, counted exactly instead of through a process's peak memory
+    # the memory target, counted exactly instead of through a process's peak memory
     images = torch.randn(2, 3, 64, 64)
     sizes = {}
     for blocks in (0, "all"):
