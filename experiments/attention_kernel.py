@@ -13,23 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import median_ms
 
 from vitrain import kernels
 from vitrain.models.layers import MatmulAttention
-
-
-def _median_ms(function, repeats: int) -> float:  # noqa: ANN001
-    for _ in range(2):
-        function()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(samples)
 
 
 def _paths(qkv: torch.Tensor, grad: torch.Tensor, head_dim: int) -> dict[str, tuple]:
@@ -75,7 +64,7 @@ def main() -> None:
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, (forward, both) in paths.items():
-                times[name].append((_median_ms(forward, args.repeats), _median_ms(both, args.repeats)))
+                times[name].append((median_ms(forward, args.repeats), median_ms(both, args.repeats)))
         for name, samples in times.items():
             forward_ms = statistics.median(s[0] for s in samples)
             both_ms = statistics.median(s[1] for s in samples)

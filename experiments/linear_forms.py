@@ -22,24 +22,15 @@ so a training step, whose operands come from memory, runs each about 1.5-2x slow
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
+import timing
 import torch
 import torch.nn.functional as F
 
 from vitrain import kernels
 
-
-def median_ms(function, repeats: int) -> float:  # noqa: ANN001
-    for _ in range(5):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+median_ms = functools.partial(timing.median_ms, warmup=5)
 
 
 def layer_row(module, tokens: int, fan_in: int, fan_out: int, repeats: int) -> list[float]:  # noqa: ANN001
