@@ -19,6 +19,7 @@ EMULATED_TESTS = [
     "tests/unit/test_kernels.py",
     "tests/unit/test_training.py",
     "tests/unit/test_activation_checkpoint.py",
+    "tests/unit/test_reference_weights.py",
     "tests/unit/test_bench.py::test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_throughput",
     "tests/dist/test_sharded.py::test_fsdp_o2_computes_in_bf16_and_keeps_fp32_master_weights",
 ]
