@@ -16,7 +16,8 @@ from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
 from vitrain.metrics import read_jsonl
 from vitrain.train import make_plan, train
-from vitrain.train.loop import Trainer, build_run, forward_shapes, warm_up_compiled_shapes
+from vitrain.train.build import build_run, forward_shapes, warm_up_compiled_shapes
+from vitrain.train.loop import Trainer
 from vitrain.train.state import capture_rng_state
 
 COMPILED: collections.Counter = collections.Counter()

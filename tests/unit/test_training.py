@@ -189,7 +189,7 @@ def test_model_options_from_the_config_reach_the_model(small_synthetic_overrides
 
 def test_channels_last_converts_model_and_input_and_trains_the_same(small_synthetic_overrides):
     from vitrain.bench.throughput import synthetic_batch
-    from vitrain.train.loop import build_training_step
+    from vitrain.train.build import build_training_step
 
     def two_steps(channels_last):
         plan = make_plan(
@@ -212,7 +212,7 @@ def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides)
     and the same losses over three steps (weights are not compared after AdamW: it normalizes the
     float noise of gradients that are zero in exact arithmetic, such as the key bias's)."""
     from vitrain.bench.throughput import synthetic_batch
-    from vitrain.train.loop import build_training_step
+    from vitrain.train.build import build_training_step
 
     def train_steps(*extra):
         plan = make_plan(make_config(*small_synthetic_overrides, *extra))
