@@ -50,7 +50,7 @@ from vitrain.train.attention_probe import choose_attention
 from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
 from vitrain.train.state import TrainState, capture_rng_state, restore_rank_rng_state, restore_rng_state
-from vitrain.train.step import TrainStep, autocast_context, build_grad_scaler, deferred_gradient_sync
+from vitrain.train.step import TrainStep, apply_precision, autocast_context, build_grad_scaler
 
 log = logging.getLogger("vitrain")
 
@@ -171,6 +171,15 @@ def build_training_step(plan: Plan) -> TrainStep:
     if sharded:  # before the optimizer: sharding replaces the parameters by DTensors
         apply_model_parallelism(model, plan)
     optimizer = build_optimizer(model, plan)
+    low_precision = apply_precision(model, plan.precision, plan.precision_mode, hasattr(model, "unshard"))
+    forward_module = low_precision.compute if low_precision else model  # the module that runs
+    if plan.config.train.activation_checkpointing and not sharded:
+        apply_activation_checkpointing(forward_module, plan.config.train.activation_checkpointing)
+    if plan.config.train.compile and not sharded:
+        apply_block_compile(forward_module, plan.config.train.compile_backend)
+    several = plan.world.size > 1
+    if several and not sharded:
+        forward_module = wrap_data_parallel(forward_module, plan.device)
     step = TrainStep(
         model,
         optimizer,
@@ -180,20 +189,21 @@ def build_training_step(plan: Plan) -> TrainStep:
         plan.config.train.label_smoothing,
         plan.config.optim.grad_clip,
         plan.precision_mode,
+        micro_batch=plan.config.train.micro_batch_size,
+        low_precision=low_precision,
+        forward_module=forward_module,
+        agree_on_skip=_agree_across_processes if several else None,
     )
-    step.micro_batch = plan.config.train.micro_batch_size
-    if plan.config.train.activation_checkpointing and not sharded:  # on the module that runs (O2: its copy)
-        apply_activation_checkpointing(step.forward_module, plan.config.train.activation_checkpointing)
-    if plan.config.train.compile and not sharded:
-        apply_block_compile(step.forward_module, plan.config.train.compile_backend)
-    if plan.world.size > 1:
-        if not sharded:
-            step.forward_module = wrap_data_parallel(step.forward_module, plan.device)
-        step.agree_on_skip = lambda flag: all_reduce_(flag, "max")  # one rank's NaN skips the step everywhere
+    if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
         # draws (tensor-parallel peers compute one slice together, so they draw alike)
         torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
     return step
+
+
+def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
+    """One process's non-finite loss skips the step on every process."""
+    return all_reduce_(skipped, "max")
 
 
 def eval_batch_per_process(plan: Plan) -> int:
@@ -220,14 +230,9 @@ def warm_up_compiled_shapes(run: Run) -> float:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes) + 2)
     buffers = {name: buffer.clone() for name, buffer in run.model.named_buffers()}
     rng = capture_rng_state()
-    for batch, size in shapes:
-        images = torch.zeros(batch, plan.in_chans, size, size, device=plan.device)
-        with deferred_gradient_sync(step_fn.forward_module):  # no gradient reduction across processes
-            step_fn.forward_logits(run.normalize(images)).float().sum().backward()
-    run.optimizer.zero_grad(set_to_none=True)
-    for module in (run.model, step_fn.forward_module):
-        for param in module.parameters():
-            param.grad = None
+    step_fn.warm_up(
+        run.normalize(torch.zeros(batch, plan.in_chans, size, size, device=plan.device)) for batch, size in shapes
+    )
     size = plan.config.data.image_size
     with torch.inference_mode(), autocast_context(plan.precision, plan.device):
         run.model.eval()
