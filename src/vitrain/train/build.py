@@ -6,8 +6,10 @@
    materialized on the run's device and initialized (:func:`build_model_for`);
 2. **converters**: changes applied to the built model from outside: the fused CPU kernels' mode and
    channels-last weights (:func:`_apply_converters`);
-3. **parallelism**: tensor parallelism, activation checkpointing, compile, FSDP2 or DDP;
-4. **optimizer** over the model's parameters;
+3. **parallelism**: first the precision policy's weights (O2: a low-precision copy of the model, the
+   module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
+   module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
+4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
 6. **loaders**: training and evaluation data;
 7. **checkpoint manager** of the run folder.
@@ -43,9 +45,8 @@ from vitrain.config import ConfigError, Plan, config_to_yaml, model_overrides
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.models import build_model, load_pretrained
-from vitrain.parallel import apply_activation_checkpointing
-from vitrain.parallel.distributed import all_reduce_, holds_dtensors, wrap_data_parallel
-from vitrain.parallel.parallelize import apply_block_compile, apply_model_parallelism
+from vitrain.parallel.distributed import all_reduce_, holds_dtensors
+from vitrain.parallel.parallelize import parallelize
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
@@ -167,19 +168,11 @@ def build_training_step(plan: Plan) -> TrainStep:
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
     _apply_converters(model, plan)
-    sharded = plan.shards_model
-    if sharded:  # before the optimizer: sharding replaces the parameters by DTensors
-        apply_model_parallelism(model, plan)
-    optimizer = build_optimizer(model, plan)
-    low_precision = apply_precision(model, plan.precision, plan.precision_mode, hasattr(model, "unshard"))
-    forward_module = low_precision.compute if low_precision else model  # the module that runs
-    if plan.config.train.activation_checkpointing and not sharded:
-        apply_activation_checkpointing(forward_module, plan.config.train.activation_checkpointing)
-    if plan.config.train.compile and not sharded:
-        apply_block_compile(forward_module, plan.config.train.compile_backend)
+    fsdp = plan.shards_model and "fsdp" in plan.config.parallel.strategy
+    low_precision = apply_precision(model, plan.precision, plan.precision_mode, fsdp_mixed_precision=fsdp)
+    forward_module = parallelize(low_precision.compute if low_precision else model, plan)
+    optimizer = build_optimizer(model, plan)  # after sharding, which replaces the parameters by DTensors
     several = plan.world.size > 1
-    if several and not sharded:
-        forward_module = wrap_data_parallel(forward_module, plan.device)
     step = TrainStep(
         model,
         optimizer,
