@@ -15,6 +15,11 @@ FSDP2 or DDP.
   state are sharded over "dp"; zero3 frees gathered block parameters after the forward, zero2 keeps
   them for the backward. precision_mode=o2 becomes FSDP's mixed-precision policy (blocks compute with
   bf16 parameters gathered from the fp32 shards, gradients reduced in fp32).
+- **DDP** (ddp over several processes): torch's ``DistributedDataParallel`` around the module that
+  runs; the model and its state-dict keys stay unwrapped. Not the composable ``replicate``: it hooks
+  the module itself, so evaluation (which calls the model) would go through DDP too; measured on two
+  CPU processes with BatchNorm (localvit), training weights were the same bitwise but the eval loss
+  differed, and DDP warned of mismatched gradient strides.
 
 Weights are initialized in full on every rank from the same seed, then sharded, so a sharded run
 starts from exactly the single-process weights.
