@@ -30,17 +30,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from vitrain import cpu_features, kernels
-from vitrain.checkpoint import CheckpointManager, load_checkpoint
+from vitrain.checkpoint import CheckpointManager, RunCheckpoints
 from vitrain.checkpoint.manager import write_file_atomic
-from vitrain.checkpoint.sharded import (
-    is_sharded_checkpoint,
-    load_model_state,
-    load_optimizer_state,
-    load_sharded,
-    model_state,
-    optimizer_state,
-    read_checkpoint_model,
-)
+from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
+from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
 from vitrain.config import ConfigError, Plan, config_to_yaml, model_overrides
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
@@ -50,12 +43,10 @@ from vitrain.parallel.parallelize import parallelize
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
-from vitrain.train.state import TrainState, capture_rng_state, restore_rank_rng_state, restore_rng_state
+from vitrain.train.state import TrainState
 from vitrain.train.step import TrainStep, apply_precision, autocast_context, build_grad_scaler
 
 log = logging.getLogger("vitrain")
-
-CHECKPOINT_FORMAT = "vitrain-checkpoint-v1"
 
 
 def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
@@ -85,71 +76,12 @@ class Run:
     plan: Plan
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
     step_fn: TrainStep
     train_loader: Any
     eval_loader: Any
     normalize: Normalize
-    checkpoints: CheckpointManager
+    checkpoints: RunCheckpoints
     state: TrainState
-
-    def checkpoint_payload(self, full: bool = True) -> dict[str, Any]:
-        """Everything a resume needs. ``full``: whole tensors (gathered on rank 0 under FSDP/TP, so every
-        rank must call this); otherwise this rank's shards, for a sharded checkpoint."""
-        return {
-            "model": model_state(self.model, full),
-            "optimizer": optimizer_state(self.model, self.optimizer, full),
-            **self.checkpoint_extras(),
-        }
-
-    def checkpoint_extras(self) -> dict[str, Any]:
-        """The part of a checkpoint that is not model or optimizer tensors (rank 0's)."""
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "scaler": self.scaler.state_dict(),
-            "state": self.state.state_dict(),
-            "rng": capture_rng_state(),
-            "config": self.plan.config.model_dump(mode="json"),
-            "bad_images": {
-                "train": self.train_loader.bad_images.state_dict(),
-                "eval": self.eval_loader.bad_images.state_dict(),
-            },
-            "plan": {
-                "lr": self.plan.lr,
-                "global_batch": self.plan.global_batch,
-                "steps_per_epoch": self.plan.steps_per_epoch,
-                "duration_unit": self.plan.duration_unit,
-                "run_length": self.plan.run_length,
-                "precision": self.plan.precision,
-                "precision_mode": self.plan.precision_mode,
-            },
-        }
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Resume from a checkpoint of either format, whatever the process count that wrote it."""
-        if is_sharded_checkpoint(path):
-            reference = {
-                "model": model_state(self.model, False),
-                "optimizer": optimizer_state(self.model, self.optimizer, False),
-            }
-            tensors, extras = load_sharded(path, reference)
-            self.load_payload({**tensors, **extras}, full=False)
-        else:
-            self.load_payload(load_checkpoint(path))
-
-    def load_payload(self, payload: dict[str, Any], full: bool = True) -> None:
-        load_model_state(self.model, payload["model"], full)
-        load_optimizer_state(self.model, self.optimizer, payload["optimizer"], full)
-        self.scaler.load_state_dict(payload["scaler"])
-        self.step_fn.weights_changed()
-        self.state = TrainState.from_state_dict(payload["state"])
-        world = self.plan.world
-        restore_rank_rng_state(
-            payload, world.rank, world.size, derive_seed(self.plan.config.train.seed, world.data_rank, self.state.step)
-        )
-        bad_images = payload.get("bad_images", {})  # absent from checkpoints of older versions
-        self.train_loader.bad_images.load_state_dict(bad_images.get("train", {}))
-        self.eval_loader.bad_images.load_state_dict(bad_images.get("eval", {}))
 
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:
@@ -243,19 +175,45 @@ def warm_up_compiled_shapes(run: Run) -> float:
 def build_run(plan: Plan) -> Run:
     """Every stage, in the order of this module's docstring."""
     step_fn = build_training_step(plan)
-    model, optimizer, scaler = step_fn.model, step_fn.optimizer, step_fn.scaler
     train_loader, eval_loader = build_loaders(plan)
     return Run(
         plan=plan,
-        model=model,
-        optimizer=optimizer,
-        scaler=scaler,
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
         step_fn=step_fn,
         train_loader=train_loader,
         eval_loader=eval_loader,
         normalize=Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last),
-        checkpoints=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
+        checkpoints=_build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader}),
         state=TrainState(),
+    )
+
+
+def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) -> RunCheckpoints:
+    """Stage 7: the run folder's checkpoints and what each one saves."""
+    return RunCheckpoints(
+        manager=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
+        scaler=step_fn.scaler,
+        bad_images={split: loader.bad_images for split, loader in loaders.items()},
+        record={
+            "config": plan.config.model_dump(mode="json"),
+            "plan": {
+                "lr": plan.lr,
+                "global_batch": plan.global_batch,
+                "steps_per_epoch": plan.steps_per_epoch,
+                "duration_unit": plan.duration_unit,
+                "run_length": plan.run_length,
+                "precision": plan.precision,
+                "precision_mode": plan.precision_mode,
+            },
+        },
+        world=plan.world,
+        seed=plan.config.train.seed,
+        sharded=plan.checkpoint_format == "sharded",
+        gathers=plan.shards_model,
+        weights_loaded=step_fn.weights_changed,
     )
 
 

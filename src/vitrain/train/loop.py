@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vitrain.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
-from vitrain.checkpoint.sharded import EXTRAS_FILE, is_sharded_checkpoint, save_sharded
-from vitrain.config import ConfigError, Plan, Stage
+from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, load_resume_payload
+from vitrain.config import Plan, Stage
 from vitrain.metrics import JsonlWriter, NullWriter
 from vitrain.models import num_parameters
-from vitrain.parallel.distributed import all_reduce_, any_rank, barrier, broadcast_object, gather_objects, rank0_value
+from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
     Run,
     apply_init_from,
@@ -37,7 +36,7 @@ from vitrain.train.evaluate import evaluate
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
 from vitrain.train.signals import Preempted, StopSignals
 from vitrain.train.skips import SkipCounter
-from vitrain.train.state import capture_rng_state
+from vitrain.train.state import TrainState
 from vitrain.train.summary import describe_length, write_summary
 
 log = logging.getLogger("vitrain")
@@ -46,51 +45,6 @@ log = logging.getLogger("vitrain")
 class TrainingDiverged(RuntimeError):
     """Too many steps in a row had a NaN/inf loss or gradient norm; the message names the step, LR,
     gradient norm, last complete checkpoint and what to try."""
-
-
-def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
-    """``auto``: the newest complete checkpoint of this run folder (or, when the folder name
-    holds ``{time}``, of the newest sibling run of the same recipe); otherwise a path."""
-    if resume is None:
-        return None
-    if resume != "auto":
-        if not Path(resume).is_file():
-            raise CheckpointError(f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto")
-        return Path(resume)
-    template = plan.config.train.out_dir
-    if "{time}" not in template:
-        return find_latest_checkpoint(plan.out_dir)
-    pattern = Path(template.format(recipe=plan.config.recipe, time="*"))
-    candidates = [find_latest_checkpoint(folder) for folder in pattern.parent.glob(pattern.name)]
-    candidates = [path for path in candidates if path is not None]
-    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
-
-
-def load_resume_payload(path: Path, plan: Plan) -> dict[str, Any]:
-    """The checkpoint to resume from, refused (CheckpointError/ConfigError) when it is missing,
-    unreadable, needs arbitrary unpickling, or holds another model than the config's."""
-    payload = load_checkpoint(path / EXTRAS_FILE if is_sharded_checkpoint(path) else path)
-    saved_model = payload.get("config", {}).get("model", {}).get("name")
-    if saved_model != plan.config.model.name:
-        raise ConfigError(
-            f"--resume {path}: the checkpoint holds a {saved_model} but model.name={plan.config.model.name}; "
-            "resume with the config the run started with, or start from its weights with vitrain finetune --from"
-        )
-    return payload
-
-
-def resume_run(run: Run, payload: dict[str, Any], path: Path) -> None:
-    try:
-        if is_sharded_checkpoint(path):  # every rank reads its shards (DCP reshards to this process count)
-            run.load_checkpoint(path)
-        else:
-            run.load_payload(payload)
-    except (KeyError, RuntimeError, ValueError) as error:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this run ({str(error).splitlines()[0][:200]}); "
-            "resume with the config the run started with"
-        ) from None
-    log.info("resumed from %s at step %d", path, run.state.step)
 
 
 class Trainer:
@@ -174,26 +128,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         started = self.clock()
-        run, world = self.run, self.plan.world
-        rng_by_rank = gather_objects(capture_rng_state())  # each rank draws its own dropout
-        if self.plan.checkpoint_format == "sharded":  # every rank writes its shards
-            extras = run.checkpoint_extras()
-            if len(rng_by_rank) > 1:
-                extras["rng_by_rank"] = rng_by_rank
-            final = run.checkpoints.path_for(run.state.step).with_suffix("")
-            path = save_sharded(final, run.checkpoint_payload(full=False), extras, world.is_main)
-            if world.is_main:
-                run.checkpoints.prune()
-                log.info("saved %s", path)
-        else:
-            gathered = self.plan.shards_model  # FSDP/TP: gathering the full state is a collective
-            payload = run.checkpoint_payload() if gathered or world.is_main else None
-            if world.is_main:  # DDP: every rank holds the same state; one writes it
-                if len(rng_by_rank) > 1:
-                    payload["rng_by_rank"] = rng_by_rank
-                path = run.checkpoints.save(payload, run.state.step, top1=self._top1_at_this_step())
-                log.info("saved %s", path)
-        barrier()  # no rank runs ahead of a checkpoint it might need to resume from
+        self.run.checkpoints.save(self.run.state, top1=self._top1_at_this_step())
         self.run.state.checkpoint_s += self.clock() - started
         self.last_checkpoint_step = self.run.state.step
         self.last_checkpoint_at = self.clock()
@@ -231,7 +166,7 @@ class Trainer:
         )
         if self.last_checkpoint_step != state.step:
             self.save_checkpoint()
-        raise Preempted(signal_name, state.step, self.run.checkpoints.path_for(state.step))
+        raise Preempted(signal_name, state.step, self.run.checkpoints.manager.path_for(state.step))
 
     def _progress_bar(self) -> tqdm:
         mode = self.plan.config.train.progress
@@ -411,7 +346,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     prepare_run_folder(plan)
     run = build_run(plan)
     if payload is not None:
-        resume_run(run, payload, checkpoint_path)
+        run.state = TrainState.from_state_dict(run.checkpoints.resume(checkpoint_path, payload))
     elif plan.config.train.init_from is not None:
         apply_init_from(run, Path(plan.config.train.init_from))
     log.info(
