@@ -272,8 +272,8 @@ def command_eval(args: argparse.Namespace) -> int:
     plan = make_plan(config)
     model = build_model_for(plan)
     model.load_state_dict(weights)
-    _, eval_loader = build_loaders(plan)
-    result = evaluate(model, eval_loader, Normalize(plan.mean, plan.std, plan.device), plan.precision, plan.device)
+    _, eval_loader = build_loaders(plan.data)
+    result = evaluate(model, eval_loader, Normalize(plan.data.mean, plan.data.std, plan.device), plan.precision)
     print(json.dumps({"checkpoint": str(args.checkpoint), "step": info["state"]["step"], **result}))
     return 0
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import make_config
+from vitrain.config import precision_policy
 from vitrain.models import build_model
 from vitrain.train import attention_probe, build_model_for, make_plan
 
@@ -16,6 +17,9 @@ from vitrain.train import attention_probe, build_model_for, make_plan
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+O2 = precision_policy("bf16", "o2", "cpu")
 
 
 def _meta_model(head="cls"):
@@ -36,13 +40,13 @@ def test_shapes_come_from_a_meta_forward():
 def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch):
     timed = []
 
-    def fake_timing(impl, shape, batch, precision, mode, device):
-        timed.append((impl, shape, batch, precision, mode))
+    def fake_timing(impl, shape, batch, policy):
+        timed.append((impl, shape, batch, policy.dtype, policy.mode))
         return {"sdpa": 2e-3, "matmul": 1e-3}[impl]
 
     monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
     model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
-    assert attention_probe.choose_attention(model, images, 64, "bf16", "o2", "cpu") == {(17, 192, 3): "matmul"}
+    assert attention_probe.choose_attention(model, images, 64, O2) == {(17, 192, 3): "matmul"}
     assert attention_probe.attention_impl(model) == "matmul"
     assert sorted(impl for impl, *_ in timed) == ["matmul", "sdpa"] and timed[0][1:] == ((17, 192, 3), 64, "bf16", "o2")
     (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
@@ -53,10 +57,10 @@ def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch
 
     monkeypatch.setattr(attention_probe, "time_attention", refuse)
     again = _meta_model()
-    attention_probe.choose_attention(again, images, 64, "bf16", "o2", "cpu")
+    attention_probe.choose_attention(again, images, 64, O2)
     assert attention_probe.attention_impl(again) == "matmul"
     with pytest.raises(RuntimeError, match="timed again"):  # another batch is another key
-        attention_probe.choose_attention(_meta_model(), images, 32, "bf16", "o2", "cpu")
+        attention_probe.choose_attention(_meta_model(), images, 32, O2)
 
 
 def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, small_synthetic_overrides):
@@ -65,7 +69,7 @@ def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, sm
     (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
     assert entry["impl"] in attention_probe.IMPLEMENTATIONS and entry["sdpa_ms"] > 0 and entry["matmul_ms"] > 0
     assert attention_probe.attention_impl(model) == entry["impl"]
-    assert model(torch.randn(2, plan.in_chans, 14, 14)).shape == (2, plan.num_classes)
+    assert model(torch.randn(2, plan.model.in_chans, 14, 14)).shape == (2, plan.model.num_classes)
 
 
 def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):
@@ -74,5 +78,7 @@ def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("VITRAIN_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: cannot exist
     monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: {"sdpa": 1.0, "matmul": 2.0}[impl])
     model = _meta_model()
-    attention_probe.choose_attention(model, torch.empty(1, 1, 28, 28, device="meta"), 8, "fp32", "autocast", "cpu")
+    attention_probe.choose_attention(
+        model, torch.empty(1, 1, 28, 28, device="meta"), 8, precision_policy("fp32", "autocast", "cpu")
+    )
     assert attention_probe.attention_impl(model) == "sdpa"

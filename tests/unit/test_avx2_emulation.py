@@ -63,4 +63,4 @@ def test_the_emulated_cpu_has_no_native_bf16_and_no_amx_tiles():
     if kernels.load() is not None:
         assert kernels.paths() == kernels.Paths(bias_in_product=False, amx_tiles=False)
     info = DatasetInfo(num_train=60000, num_eval=10000, num_classes=10, channels=1, mean=(0.5,), std=(0.5,))
-    assert resolve(Config(), info, Hardware.detect("cpu")).precision == "fp32"  # auto: bf16 is not native
+    assert resolve(Config(), info, Hardware.detect("cpu")).precision.dtype == "fp32"  # auto: bf16 is not native

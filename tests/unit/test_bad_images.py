@@ -278,7 +278,7 @@ def test_loader_replaces_bad_images_deterministically_and_counts_them_from_worke
     batches, counts = [], []
     for workers in (0, 2):
         plan = make_plan(config.model_copy(update={"data": config.data.model_copy(update={"num_workers": workers})}))
-        train_loader, _ = build_loaders(plan)
+        train_loader, _ = build_loaders(plan.data)
         train_loader.start_epoch(1)
         batches.append([(images.clone(), labels.clone()) for images, labels in train_loader])
         counts.append(train_loader.bad_images.counts())
@@ -348,7 +348,7 @@ def test_a_split_where_nothing_decodes_stops_even_at_fraction_one(tmp_path):
         for index in range(4):
             (tmp_path / split / "n01" / f"{index}.JPEG").write_bytes(b"")
     overrides = _run_overrides(tmp_path, tmp_path / "run", "data.max_bad_fraction=1.0")[1::2]
-    train_loader, _ = build_loaders(make_plan(make_config(*overrides)))
+    train_loader, _ = build_loaders(make_plan(make_config(*overrides)).data)
     with pytest.raises(TooManyBadImages, match="none of the 4 training images decodes: empty 4 "):
         next(iter(train_loader))
 

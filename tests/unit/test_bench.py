@@ -132,7 +132,7 @@ def test_recipe_settings_apply_and_its_data_is_replaced_by_synthetic():
     plan, settings = _plan("locality_vit_tiny6_patch7", 28, 8, recipe="fmnist", warmup=2, steps=3, repeats=4)
     assert (plan.config.model.head, plan.config.model.attn_impl) == ("gap", "matmul")  # from the recipe
     assert plan.config.data.name == "synthetic" and plan.config.data.root is None
-    assert (plan.global_batch, plan.total_steps) == (8, settings.total_steps) == (8, 14)
+    assert (plan.batch.global_batch, plan.schedule.total_steps) == (8, settings.total_steps) == (8, 14)
 
 
 def test_compile_targets_the_module_that_runs_forward(monkeypatch):

@@ -33,7 +33,7 @@ def test_budget_stops_when_spent_with_the_lr_at_its_floor(small_synthetic_overri
     assert summary["steps"] == steps and summary["train_s"] == 20.0
     records = _train_records(plan)
     learning_rates = [record["lr"] for record in records]
-    peak = plan.lr
+    peak = plan.schedule.lr
     # the LR of the update at training second t is the cosine at t / 20, reaching the floor at 20 s
     expected = [peak * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * t / 20)).item())) for t in range(20)]
     assert learning_rates == pytest.approx(expected[:: int(seconds_per_step)], rel=1e-6)

@@ -19,6 +19,7 @@ from vitrain.config import (
     config_to_yaml,
     parse_duration_s,
     parse_override,
+    precision_policy,
     resolve,
 )
 from vitrain.recipes import get_recipe, list_recipes
@@ -31,13 +32,17 @@ CPU_ONLY = Hardware(cuda_available=False, bf16_supported=False)
 def test_resolve_scales_lr_and_derives_steps():
     config = make_config("train.batch_size=256", "optim.lr=0.008", "train.epochs=3", "schedule.warmup_epochs=0.5")
     plan = resolve(config, DATA, CPU_BF16)
-    assert plan.lr == pytest.approx(0.008 * 256 / 1024)
-    assert plan.steps_per_epoch == 60000 // 256
-    assert plan.total_steps == 3 * 234
-    assert (plan.duration_unit, plan.run_length, plan.warmup) == ("samples", 3 * 234 * 256, 117 * 256)
-    assert plan.epochs == 3 and plan.eval_every_epochs == plan.checkpoint_every_epochs == 1
-    assert [(stage.image_size, stage.batch_size) for stage in plan.stages] == [(28, 256)]
-    assert plan.eval_batch == 512
+    assert plan.schedule.lr == pytest.approx(0.008 * 256 / 1024)
+    assert plan.schedule.steps_per_epoch == 60000 // 256
+    assert plan.schedule.total_steps == 3 * 234
+    assert (plan.schedule.duration_unit, plan.schedule.run_length, plan.schedule.warmup) == (
+        "samples",
+        3 * 234 * 256,
+        117 * 256,
+    )
+    assert plan.schedule.epochs == 3 and plan.loop.eval_every_epochs == plan.checkpoint.every_epochs == 1
+    assert [(stage.image_size, stage.batch_size) for stage in plan.schedule.stages] == [(28, 256)]
+    assert plan.batch.eval_batch == 512
 
 
 def test_reference_batch_and_steps_override():
@@ -49,36 +54,73 @@ def test_reference_batch_and_steps_override():
         "checkpoint.every_epochs=0",
     )
     plan = resolve(config, DATA, CPU_BF16)
-    assert plan.lr == pytest.approx(0.001)
-    assert plan.total_steps == 10
-    assert plan.checkpoint_every_epochs == 0
+    assert plan.schedule.lr == pytest.approx(0.001)
+    assert plan.schedule.total_steps == 10
+    assert plan.checkpoint.every_epochs == 0
 
 
 def test_precision_auto_follows_hardware():
-    assert resolve(make_config("precision=auto"), DATA, CPU_BF16).precision == "bf16"
-    assert resolve(make_config("precision=auto"), DATA, CPU_ONLY).precision == "fp32"
+    assert resolve(make_config("precision=auto"), DATA, CPU_BF16).precision.dtype == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, CPU_ONLY).precision.dtype == "fp32"
     with pytest.raises(ConfigError, match="precision=bf16"):
         resolve(make_config("precision=bf16"), DATA, CPU_ONLY)
     # a CPU without native bf16 runs it emulated when asked, but auto keeps fp32 there
     emulating = Hardware(cuda_available=False, bf16_supported=False, bf16_emulated=True)
-    assert resolve(make_config("precision=bf16"), DATA, emulating).precision == "bf16"
-    assert resolve(make_config("precision=auto"), DATA, emulating).precision == "fp32"
+    assert resolve(make_config("precision=bf16"), DATA, emulating).precision.dtype == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, emulating).precision.dtype == "fp32"
 
 
 def test_o2_applies_only_to_low_precision():
     o2 = ("precision=auto", "precision_mode=o2")
-    assert resolve(make_config(*o2), DATA, CPU_BF16).precision_mode == "o2"
-    assert resolve(make_config(*o2), DATA, CPU_ONLY).precision_mode == "autocast"
+    assert resolve(make_config(*o2), DATA, CPU_BF16).precision.mode == "o2"
+    assert resolve(make_config(*o2), DATA, CPU_ONLY).precision.mode == "autocast"
     with pytest.raises(ConfigError, match="precision_mode"):
         resolve(make_config("precision_mode=o3"), DATA, CPU_BF16)
+
+
+POLICIES = {
+    # precision, mode, fsdp -> weights, training autocast, loss scaling, input cast
+    ("fp32", "o2", False): ("fp32", False, False, False),
+    ("bf16", "autocast", False): ("fp32", True, False, False),
+    ("bf16", "o2", False): ("low_precision_copy", False, False, True),
+    ("bf16", "o2", True): ("fsdp_mixed_precision", False, False, False),
+    ("fp16", "autocast", False): ("fp32", True, True, False),
+    ("fp16", "full", False): ("low_precision", False, True, True),
+}
+
+
+@pytest.mark.parametrize("key", list(POLICIES), ids=["-".join(map(str, key)) for key in POLICIES])
+def test_the_precision_policy_is_decided_in_one_place(key):
+    import torch
+
+    policy = precision_policy(*key[:2], "cpu", fsdp=key[2])
+    weights, autocast, *_ = POLICIES[key]
+    assert (policy.weights, policy.autocast, policy.loss_scaling, policy.casts_inputs) == POLICIES[key]
+    assert policy.mode == (key[1] if key[0] != "fp32" else "autocast")
+    low = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key[0]]
+    assert policy.compute_dtype == low and policy.weights_dtype == (torch.float32 if weights == "fp32" else low)
+    assert isinstance(policy.autocast_context(), torch.autocast) == (key[0] != "fp32")
+    assert isinstance(policy.training_context(), torch.autocast) == autocast
+
+
+def test_resolve_hands_fsdp_its_mixed_precision_and_every_part_its_batch():
+    config = make_config("model.name=vit_tiny6_patch7", "precision=bf16", "precision_mode=o2", "train.batch_size=64")
+    config.parallel.strategy, config.train.micro_batch_size = "fsdp", 12
+    plan = resolve(config, DATA, CPU_BF16, world=World(rank=1, size=4))
+    assert plan.precision.weights == "fsdp_mixed_precision" and plan.parallel.fsdp
+    assert plan.data.batch is plan.batch and plan.batch.per_process(64) == 16 and plan.batch.eval_per_process == 32
+    assert plan.batch.forward_batches(64) == [12, 4] and plan.batch.global_of(16) == 64
+    single = resolve(config, DATA, CPU_BF16)
+    assert single.precision.weights == "low_precision_copy" and not single.parallel.fsdp
+    assert single.batch.forward_batches(64) == [12, 4]  # 64 = 5 x 12 + 4 on one process
 
 
 def test_fp16_full_refuses_an_adam_eps_that_underflows():
     full = ("precision=fp16", "precision_mode=full")
     with pytest.raises(ConfigError, match=r"optim.eps=1e-08 .*optim.eps>=0.0001"):
         resolve(make_config(*full), DATA, CPU_BF16)
-    assert resolve(make_config(*full, "optim.eps=1e-4"), DATA, CPU_BF16).precision_mode == "full"
-    assert resolve(make_config("precision=bf16", "precision_mode=full"), DATA, CPU_BF16).precision_mode == "full"
+    assert resolve(make_config(*full, "optim.eps=1e-4"), DATA, CPU_BF16).precision.mode == "full"
+    assert resolve(make_config("precision=bf16", "precision_mode=full"), DATA, CPU_BF16).precision.mode == "full"
 
 
 def test_device_cuda_without_cuda_is_rejected():
@@ -147,9 +189,9 @@ def test_resolve_rejects_with_key(overrides, key):
 def test_budget_durations(text, seconds):
     assert parse_duration_s(text) == seconds
     plan = resolve(make_config(f"train.budget={text}", "schedule.warmup_epochs=0.5"), DATA, CPU_ONLY)
-    assert (plan.duration_unit, plan.run_length) == ("seconds", seconds)
-    assert plan.warmup == 117 * 256  # images: the warmup is planned in images, the decay in seconds
-    assert plan.total_steps is None and plan.epochs is None
+    assert (plan.schedule.duration_unit, plan.schedule.run_length) == ("seconds", seconds)
+    assert plan.schedule.warmup == 117 * 256  # images: the warmup is planned in images, the decay in seconds
+    assert plan.schedule.total_steps is None and plan.schedule.epochs is None
 
 
 def test_a_later_layer_s_length_replaces_the_recipe_s():
@@ -158,12 +200,12 @@ def test_a_later_layer_s_length_replaces_the_recipe_s():
     shortened = make_config("train.epochs=1", base=budget_recipe)
     assert (shortened.train.epochs, shortened.train.budget, shortened.train.steps) == (1, None, None)
     plan = resolve(make_config("train.steps=7", base=budget_recipe), DATA, CPU_ONLY)
-    assert (plan.duration_unit, plan.run_length) == ("steps", 7)
+    assert (plan.schedule.duration_unit, plan.schedule.run_length) == ("steps", 7)
 
 
 def test_samples_duration():
     plan = resolve(make_config("train.samples=1000", "train.batch_size=100"), DATA, CPU_ONLY)
-    assert (plan.duration_unit, plan.run_length, plan.total_steps) == ("samples", 1000, 10)
+    assert (plan.schedule.duration_unit, plan.schedule.run_length, plan.schedule.total_steps) == ("samples", 1000, 10)
 
 
 def test_linear_curriculum_rule_with_constant_tokens():
@@ -176,9 +218,9 @@ def test_linear_curriculum_rule_with_constant_tokens():
         "train.batch_size=100",
     )
     plan = resolve(config, DATA, CPU_ONLY)
-    sizes = [(stage.image_size, stage.batch_size, stage.until_epoch) for stage in plan.stages]
+    sizes = [(stage.image_size, stage.batch_size, stage.until_epoch) for stage in plan.schedule.stages]
     assert sizes == [(14, 400, 2.0), (21, 177, 4.0), (28, 100, None)]  # 16 tokens / 4 and / 9
-    assert [plan.stage_at(0.0, epoch).image_size for epoch in (0.0, 1.99, 2.0, 3.99, 4.0, 30.0)] == [
+    assert [plan.schedule.stage_at(0.0, epoch).image_size for epoch in (0.0, 1.99, 2.0, 3.99, 4.0, 30.0)] == [
         14,
         14,
         21,
@@ -186,7 +228,7 @@ def test_linear_curriculum_rule_with_constant_tokens():
         28,
         28,
     ]
-    assert plan.total_steps is None  # the batch changes: steps are known only as the run goes
+    assert plan.schedule.total_steps is None  # the batch changes: steps are known only as the run goes
 
 
 def test_explicit_curriculum_stages_by_fraction_of_the_run():
@@ -194,12 +236,12 @@ def test_explicit_curriculum_stages_by_fraction_of_the_run():
         "curriculum.stages=[{until: 0.25, image_size: 14, batch_size: 512, lr_scale: 2.0}, {until: 0.5, image_size: 21}]"
     )
     plan = resolve(config, DATA, CPU_ONLY)
-    assert [(stage.image_size, stage.batch_size, stage.lr_scale) for stage in plan.stages] == [
+    assert [(stage.image_size, stage.batch_size, stage.lr_scale) for stage in plan.schedule.stages] == [
         (14, 512, 2.0),
         (21, 256, 1.0),
         (28, 256, 1.0),
     ]
-    assert [plan.stage_at(progress, 0.0).image_size for progress in (0.0, 0.2499, 0.25, 0.4999, 0.5, 1.0)] == [
+    assert [plan.schedule.stage_at(progress, 0.0).image_size for progress in (0.0, 0.2499, 0.25, 0.4999, 0.5, 1.0)] == [
         14,
         14,
         21,
@@ -252,7 +294,7 @@ def test_every_recipe_validates_and_is_documented():
         assert config.recipe == name
         assert doc, f"recipe {name} has no docstring"
         plan = resolve(config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16)  # model options fit
-        assert plan.stages[-1].image_size == config.data.image_size
+        assert plan.schedule.stages[-1].image_size == config.data.image_size
 
 
 def test_borealis_recipe_plans_the_paper_s_curriculum():
@@ -263,9 +305,14 @@ def test_borealis_recipe_plans_the_paper_s_curriculum():
         ),
         CPU_BF16,
     )
-    assert [stage.image_size for stage in plan.stages] == [32, 64, 96, 128, 160, 192, 224]
-    assert [stage.until_epoch for stage in plan.stages] == [5, 10, 15, 20, 25, 30, None]
-    assert (plan.duration_unit, plan.run_length, plan.global_batch, plan.lr) == ("seconds", 86400, 64, 1e-3)
+    assert [stage.image_size for stage in plan.schedule.stages] == [32, 64, 96, 128, 160, 192, 224]
+    assert [stage.until_epoch for stage in plan.schedule.stages] == [5, 10, 15, 20, 25, 30, None]
+    assert (plan.schedule.duration_unit, plan.schedule.run_length, plan.batch.global_batch, plan.schedule.lr) == (
+        "seconds",
+        86400,
+        64,
+        1e-3,
+    )
 
 
 @pytest.mark.parametrize(
@@ -318,20 +365,20 @@ def test_tensor_parallel_peers_share_a_data_slice():
     config.parallel.tp_size = 2
     plan = resolve(config, DATA, CPU_ONLY, world=World(rank=3, size=4))
     assert (plan.world.tp_size, plan.world.data_rank, plan.world.data_size) == (2, 1, 2)
-    assert plan.checkpoint_format == "sharded"
+    assert plan.checkpoint.format == "sharded"
     config.train.batch_size = 130  # 2 data slices: fine although 130 is not a multiple of the 4 processes
-    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).global_batch == 130
+    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).batch.global_batch == 130
     config.checkpoint.format = "file"
-    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).checkpoint_format == "file"
+    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).checkpoint.format == "file"
     single = resolve(make_config("model.name=vit_tiny6_patch7", "parallel.strategy=fsdp"), DATA, CPU_ONLY)
-    assert (single.world.tp_size, single.checkpoint_format) == (1, "file")
+    assert (single.world.tp_size, single.checkpoint.format) == (1, "file")
 
 
 def test_checkpoint_cadence_and_skip_limit_reach_the_plan():
     config = make_config("checkpoint.every_steps=500", "checkpoint.every_minutes=1.5", "train.max_skipped_steps=0")
     plan = resolve(config, DATA, CPU_ONLY)
-    assert (plan.checkpoint_every_steps, plan.checkpoint_every_s) == (500, 90.0)
-    assert plan.config.train.max_skipped_steps == 0
+    assert (plan.checkpoint.every_steps, plan.checkpoint.every_s) == (500, 90.0)
+    assert plan.loop.max_skipped_steps == 0
     defaults = resolve(make_config(), DATA, CPU_ONLY)
-    assert (defaults.checkpoint_every_steps, defaults.checkpoint_every_s) == (0, 0.0)
-    assert defaults.config.train.max_skipped_steps == 16
+    assert (defaults.checkpoint.every_steps, defaults.checkpoint.every_s) == (0, 0.0)
+    assert defaults.loop.max_skipped_steps == 16

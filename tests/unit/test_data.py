@@ -80,7 +80,7 @@ def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder):
     plans = [make_plan(make_config(*overrides, f"data.num_workers={workers}")) for workers in (0, 2)]
     batches = []
     for plan in plans:
-        train_loader, eval_loader = build_loaders(plan)
+        train_loader, eval_loader = build_loaders(plan.data)
         assert isinstance(train_loader, FileLoader)
         train_loader.start_epoch(1)
         batches.append(_collect(train_loader))
@@ -103,7 +103,7 @@ def test_file_loader_resumes_mid_epoch(tiny_imagefolder):
             "data.num_workers=0",
         )
     )
-    loader, _ = build_loaders(plan)
+    loader, _ = build_loaders(plan.data)
     loader.start_epoch(2)
     full = _collect(loader)
     loader.start_epoch(2, start_sample=2 * 4)
@@ -117,7 +117,7 @@ def test_file_loader_resumes_mid_epoch(tiny_imagefolder):
 
 def test_in_memory_loader_resumes_mid_epoch(tiny_fmnist):
     plan = make_plan(make_config(f"data.root={tiny_fmnist}", "train.batch_size=64"))
-    loader, eval_loader = build_loaders(plan)
+    loader, eval_loader = build_loaders(plan.data)
     assert isinstance(loader, InMemoryLoader)
     loader.start_epoch(1)
     full = _collect(loader)
@@ -262,7 +262,7 @@ def test_ranks_take_slices_of_the_same_global_batches(source, tiny_fmnist, tiny_
     config = make_config(*overrides, "data.translate=2", "data.random_erase=0.5")  # random draws are global too
 
     def batches(world, start=0):
-        train, evaluation = build_loaders(make_plan(config, world))
+        train, evaluation = build_loaders(make_plan(config, world).data)
         train.start_epoch(1, start)
         return _collect(train), _collect(evaluation)
 

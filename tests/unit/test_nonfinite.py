@@ -11,6 +11,7 @@ import torch
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
 from vitrain.cli import main
+from vitrain.config import precision_policy
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 from vitrain.train import make_plan, train
@@ -64,7 +65,8 @@ def test_a_non_finite_step_changes_nothing(model_name, optimizer_name):
     torch.manual_seed(0)
     model = build_model(model_name, img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    step = TrainStep(model, optimizer, build_grad_scaler("fp32", "cpu"), "fp32", "cpu", 0.0, 1.0)
+    policy = precision_policy("fp32", "autocast", "cpu")
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0)
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     step(images, labels)
     assert step.skipped.item() == 0.0
@@ -79,7 +81,8 @@ def test_fp16_overflow_skips_and_lowers_the_loss_scale():
     torch.manual_seed(0)
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    step = TrainStep(model, optimizer, build_grad_scaler("fp16", "cpu"), "fp16", "cpu", 0.0, 1.0)
+    policy = precision_policy("fp16", "autocast", "cpu")
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0)
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     step(images, labels)
     scale, before = step.scaler.get_scale(), _snapshot(step)

@@ -103,10 +103,10 @@ def test_build_optimizer_gives_muon_its_settings_and_the_run_lr(small_synthetic_
         make_config(*small_synthetic_overrides, "optim.name=muon", "optim.muon_momentum=0.9", "optim.ns_steps=3")
     )
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
-    optimizer = build_optimizer(model, plan)
+    optimizer = build_optimizer(model, plan.optim, plan.precision)
     assert isinstance(optimizer, MuonAdamW)
     assert (optimizer.ns_steps, optimizer.orthogonalize_dtype) == (3, torch.float32)  # fp32 run
-    assert {group["lr"] for group in optimizer.param_groups} == {plan.lr}
+    assert {group["lr"] for group in optimizer.param_groups} == {plan.optim.lr}
     assert optimizer.param_groups[0]["momentum"] == 0.9
 
 
@@ -151,8 +151,8 @@ def test_lamb_trust_ratio_sets_each_tensors_step_to_lr_times_its_norm():
 def test_build_optimizer_gives_lamb_its_groups_lr_and_eps(small_synthetic_overrides):
     plan = make_plan(make_config(*small_synthetic_overrides, "optim.name=lamb", "optim.eps=1e-6"))
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
-    optimizer = build_optimizer(model, plan)
+    optimizer = build_optimizer(model, plan.optim, plan.precision)
     assert isinstance(optimizer, Lamb) and optimizer.foreach
     assert [group["weight_decay"] for group in optimizer.param_groups] == [plan.config.optim.weight_decay, 0.0]
-    assert {group["lr"] for group in optimizer.param_groups} == {plan.lr}
+    assert {group["lr"] for group in optimizer.param_groups} == {plan.optim.lr}
     assert optimizer.defaults["eps"] == 1e-6

@@ -40,18 +40,18 @@ def test_budget_warms_up_over_images_then_decays_over_budget_seconds_to_the_floo
     from vitrain.train.state import TrainState
 
     plan = _plan("train.budget=100s", "schedule.warmup_epochs=0.5")  # peak 0.1; warmup 500 images
-    assert scheduled_lr(plan, TrainState(images_seen=0), 0.0) == 0.0
-    assert scheduled_lr(plan, TrainState(images_seen=250), 3.0) == pytest.approx(0.05)
-    peak_after_warmup = scheduled_lr(plan, TrainState(images_seen=500), 5.0)
+    assert scheduled_lr(plan.schedule, TrainState(images_seen=0), 0.0) == 0.0
+    assert scheduled_lr(plan.schedule, TrainState(images_seen=250), 3.0) == pytest.approx(0.05)
+    peak_after_warmup = scheduled_lr(plan.schedule, TrainState(images_seen=500), 5.0)
     assert peak_after_warmup == pytest.approx(0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * 0.05)))
     # the decay follows seconds, whatever the number of images: a slow and a fast machine agree
     assert (
-        scheduled_lr(plan, TrainState(images_seen=900), 50.0)
-        == scheduled_lr(plan, TrainState(images_seen=90000), 50.0)
+        scheduled_lr(plan.schedule, TrainState(images_seen=900), 50.0)
+        == scheduled_lr(plan.schedule, TrainState(images_seen=90000), 50.0)
         == pytest.approx(0.055)
     )
-    assert scheduled_lr(plan, TrainState(images_seen=9000), 100.0) == pytest.approx(0.01)  # floor at the end
-    assert run_progress(plan, TrainState(images_seen=10**6), 25.0) == 0.25
+    assert scheduled_lr(plan.schedule, TrainState(images_seen=9000), 100.0) == pytest.approx(0.01)  # floor at the end
+    assert run_progress(plan.schedule, TrainState(images_seen=10**6), 25.0) == 0.25
 
 
 def test_sample_measured_schedule_ignores_batch_changes_and_applies_stage_scale():
@@ -60,5 +60,5 @@ def test_sample_measured_schedule_ignores_batch_changes_and_applies_stage_scale(
 
     plan = _plan("train.epochs=10", "curriculum.stages=[{until: 0.5, image_size: 14, batch_size: 50, lr_scale: 0.5}]")
     # 10 epochs of 1000 images; halfway through the LR is the cosine's midpoint, at each stage's scale
-    assert scheduled_lr(plan, TrainState(images_seen=4999), 0.0) == pytest.approx(0.5 * 0.055, rel=1e-3)
-    assert scheduled_lr(plan, TrainState(images_seen=5000), 0.0) == pytest.approx(0.055)
+    assert scheduled_lr(plan.schedule, TrainState(images_seen=4999), 0.0) == pytest.approx(0.5 * 0.055, rel=1e-3)
+    assert scheduled_lr(plan.schedule, TrainState(images_seen=5000), 0.0) == pytest.approx(0.055)

@@ -90,6 +90,7 @@ def test_non_finite_loss_stops_with_step_and_hint(small_synthetic_overrides, cap
 
 
 def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
+    from vitrain.config import precision_policy
     from vitrain.models import build_model
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
@@ -97,9 +98,11 @@ def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scaler = build_grad_scaler("bf16", "cpu")
-        low_precision = apply_precision(model, "bf16", mode)
-        return model, TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode, low_precision=low_precision)
+        policy = precision_policy("bf16", mode, "cpu")
+        low_precision = apply_precision(model, policy)
+        return model, TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision
+        )
 
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     o1_model, o1_step = step_for("autocast")
@@ -124,6 +127,7 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
     """Five AdamW steps on one batch: each policy's losses stay within 5 % of fp32's (full: 10 %, no
     master copy), and its weights, gradients and scaler are where the policy says. eps 1e-3: fp16
     weights need eps >= 1e-4 (config refuses less, see test_fp16_full_refuses_an_adam_eps_that_underflows)."""
+    from vitrain.config import precision_policy
     from vitrain.models import build_model
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
@@ -131,9 +135,9 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
-        scaler = build_grad_scaler(precision, "cpu", mode)
-        low_precision = apply_precision(model, precision, mode)
-        step = TrainStep(model, optimizer, scaler, precision, "cpu", 0.0, 1.0, mode, low_precision=low_precision)
+        policy = precision_policy(precision, mode, "cpu")
+        low_precision = apply_precision(model, policy)
+        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
         torch.manual_seed(1)
         images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
         return [step(images, labels)[0].item() for _ in range(5)], model, step
@@ -152,6 +156,7 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
 
 
 def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
+    from vitrain.config import precision_policy
     from vitrain.models import build_model
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
@@ -159,8 +164,9 @@ def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
         torch.manual_seed(0)
         model = build_model("localvit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scaler, low_precision = build_grad_scaler("bf16", "cpu"), apply_precision(model, "bf16", mode)
-        step = TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode, low_precision=low_precision)
+        policy = precision_policy("bf16", mode, "cpu")
+        low_precision = apply_precision(model, policy)
+        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
         torch.manual_seed(1)
         for _ in range(3):
             step(torch.randn(8, 1, 14, 14) + 2.0, torch.randint(4, (8,)))
@@ -235,15 +241,15 @@ def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides)
 
 
 def test_an_o2_step_refuses_to_run_without_its_low_precision_copy():
+    from vitrain.config import precision_policy
     from vitrain.models import build_model
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    o2, autocast = precision_policy("bf16", "o2", "cpu"), precision_policy("bf16", "autocast", "cpu")
     with pytest.raises(ValueError, match="low-precision copy"):
-        TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, "o2")
-    copy = apply_precision(model, "bf16", "o2")
+        TrainStep(model, optimizer, build_grad_scaler(o2), o2, 0.0, 1.0)
+    copy = apply_precision(model, o2)
     with pytest.raises(ValueError, match="low-precision copy"):
-        TrainStep(
-            model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, "autocast", low_precision=copy
-        )
+        TrainStep(model, optimizer, build_grad_scaler(autocast), autocast, 0.0, 1.0, low_precision=copy)

@@ -32,9 +32,9 @@ from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
-from vitrain.parallel.parallelize import apply_block_compile
 from vitrain.train.attention_probe import attention_impl
 from vitrain.train.build import build_training_step
+from vitrain.train.summary import describe_precision
 
 log = logging.getLogger("vitrain")
 
@@ -97,10 +97,10 @@ def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     """Random uint8 images of the plan's shape (this process's share of the global batch), normalized
     on the device, and random labels."""
     generator = torch.Generator().manual_seed(seed if plan.world.size == 1 else derive_seed(seed, plan.world.data_rank))
-    size, batch = plan.config.data.image_size, plan.global_batch // plan.world.data_size
-    images = torch.randint(0, 256, (batch, plan.in_chans, size, size), generator=generator)
-    labels = torch.randint(0, plan.num_classes, (batch,), generator=generator)
-    normalize = Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last)
+    model, batch = plan.model, plan.batch.per_process(plan.batch.global_batch)
+    images = torch.randint(0, 256, (batch, model.in_chans, model.image_size, model.image_size), generator=generator)
+    labels = torch.randint(0, model.num_classes, (batch,), generator=generator)
+    normalize = Normalize(plan.data.mean, plan.data.std, plan.device, plan.runtime.channels_last)
     return normalize(images.to(torch.uint8).to(plan.device)), labels.to(plan.device)
 
 
@@ -163,12 +163,12 @@ def throughput_record(
     plan: Plan, times: StepTimes, settings: BenchSettings, flops_per_image: int, memory: PeakMemory
 ) -> dict[str, Any]:
     """The measured figures of one benchmark: img/s (global), ms/step, FLOPs, MFU per device, peak memory."""
-    batch, devices = plan.global_batch, plan.world.size
+    batch, devices = plan.batch.global_batch, plan.world.size
     rates = [batch * settings.steps / seconds for seconds in times.window_s]
     train_flops_per_step = 3 * flops_per_image * batch  # backward costs twice the forward
     img_s_median = statistics.median(rates)
     achieved_tflops = train_flops_per_step / batch * img_s_median / devices / 1e12  # per device
-    peak = peak_flops(plan.device, plan.precision)
+    peak = peak_flops(plan.device, plan.precision.dtype)
     mfu, mfu_reason = None, peak.source
     if peak.tflops and achieved_tflops > peak.tflops:
         mfu_reason = (
@@ -203,16 +203,16 @@ def throughput_record(
 def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
     """What was benchmarked and where: the fields shared by our measurement and the timm reference."""
     return {
-        "image_size": plan.config.data.image_size,
-        "batch": plan.global_batch,
-        "precision": plan.precision,
+        "image_size": plan.model.image_size,
+        "batch": plan.batch.global_batch,
+        "precision": plan.precision.dtype,
         "compile": settings.compile,
         "steps": settings.steps,
         "warmup": settings.warmup,
         "repeats": settings.repeats,
         "device": plan.device,
         "threads": torch.get_num_threads(),
-        "host_allocator": plan.config.train.host_allocator,  # the process's, so timm's run has it too
+        "host_allocator": plan.runtime.host_allocator,  # the process's, so timm's run has it too
         **run_environment(plan.device),
     }
 
@@ -223,29 +223,33 @@ def apply_compile(module: nn.Module, settings: BenchSettings) -> None:
         module.compile(backend=settings.compile_backend)
 
 
+def with_bench_compile(plan: Plan, settings: BenchSettings) -> Plan:
+    """The plan with the benchmark's ``--compile``: the whole module that runs the forward pass, or per
+    block, as training compiles, under activation checkpointing (around checkpointed blocks a whole-model
+    graph saves other tensors than the eager recomputation in backward does: CheckpointError)."""
+    if not settings.compile:
+        return plan
+    scope = "blocks" if plan.parallel.activation_checkpointing else "model"
+    parallel = dataclasses.replace(
+        plan.parallel, compile=True, compile_backend=settings.compile_backend, compile_scope=scope
+    )
+    return dataclasses.replace(plan, parallel=parallel)
+
+
 def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
     """Time the plan's training step; return one flat record (see docs/benchmarks.md for the fields)."""
     memory = PeakMemory(plan.device)
     memory.start()
-    step = build_training_step(plan)
+    step = build_training_step(with_bench_compile(plan, settings))
     model = step.model
     model.train()
-    # O2 runs forward and backward on a low-precision copy: that is the module to compile.
-    forward_module = step.low_precision.compute if step.low_precision else model
-    if settings.compile and plan.config.train.activation_checkpointing:
-        # per block, as training compiles: around checkpointed blocks a whole-model graph saves other
-        # tensors than the eager recomputation in backward does (CheckpointError)
-        apply_block_compile(forward_module, settings.compile_backend)
-    else:
-        apply_compile(forward_module, settings)
     images, labels = synthetic_batch(plan)
     log.info(
-        "bench %s: batch %d at %d px, %s%s on %s, %d warm-up + %d x %d steps",
-        plan.config.model.name,
-        plan.global_batch,
-        plan.config.data.image_size,
-        plan.precision,
-        f" ({plan.precision_mode})" if plan.precision_mode != "autocast" else "",
+        "bench %s: batch %d at %d px, %s on %s, %d warm-up + %d x %d steps",
+        plan.model.name,
+        plan.batch.global_batch,
+        plan.model.image_size,
+        describe_precision(plan.precision),
         plan.device,
         settings.warmup,
         settings.repeats,
@@ -253,18 +257,18 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
     )
     times = time_training_steps(step, images, labels, plan.device, settings)
     memory.stop()
-    optim = plan.config.optim
+    optim = plan.optim
     return {
         "implementation": "vitrain",
-        "model": plan.config.model.name,
+        "model": plan.model.name,
         "recipe": plan.config.recipe,
         **describe_run(plan, settings),
-        "precision_mode": plan.precision_mode,
+        "precision_mode": plan.precision.mode,
         "optimizer": f"{optim.name} {optim.implementation} (vitrain build_optimizer)",
         "attn_impl": attention_impl(model),
-        "grad_clip": optim.grad_clip,
+        "grad_clip": plan.step.grad_clip,
         "num_params": num_parameters(model),
-        **throughput_record(plan, times, settings, model_flops(model, plan.config.data.image_size), memory),
+        **throughput_record(plan, times, settings, model_flops(model, plan.model.image_size), memory),
     }
 
 

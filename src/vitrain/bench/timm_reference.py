@@ -26,10 +26,10 @@ from vitrain.bench.throughput import (
     throughput_record,
     time_training_steps,
 )
-from vitrain.config import ConfigError, Plan, model_overrides
+from vitrain.config import ConfigError, Plan, precision_policy
 from vitrain.models import ViTArgs, VOLOArgs, build_model, model_spec, num_parameters
 from vitrain.models.flops import model_flops, vit_flops
-from vitrain.train.step import autocast_context, build_grad_scaler
+from vitrain.train.step import build_grad_scaler
 
 # timm VisionTransformer whose named defaults a ViT of other dimensions overrides.
 _TIMM_VIT_BASE = "vit_tiny_patch16_224"
@@ -52,14 +52,7 @@ class TimmReference:
 
 def _planned_model(plan: Plan) -> nn.Module:
     """The plan's model on the meta device (for its args and FLOPs; costs no memory)."""
-    return build_model(
-        plan.config.model.name,
-        device="meta",
-        img_size=plan.config.data.image_size,
-        in_chans=plan.in_chans,
-        num_classes=plan.num_classes,
-        **model_overrides(plan.config.model),
-    )
+    return build_model(plan.model.name, device="meta", **plan.model.arguments)
 
 
 def _timm_architecture(name: str) -> tuple[str | None, str | None]:
@@ -73,9 +66,9 @@ def _timm_architecture(name: str) -> tuple[str | None, str | None]:
 
 
 def _create_model_kwargs(args: Any, plan: Plan) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"num_classes": plan.num_classes, "in_chans": plan.in_chans}
+    kwargs: dict[str, Any] = {"num_classes": plan.model.num_classes, "in_chans": plan.model.in_chans}
     if isinstance(args, (ViTArgs, VOLOArgs)):  # timm's ResNet takes any input size and no img_size
-        kwargs["img_size"] = plan.config.data.image_size
+        kwargs["img_size"] = plan.model.image_size
     if getattr(args, "head", None) == "gap":
         kwargs.update(global_pool="avg", class_token=False)
     if getattr(args, "drop_path_rate", 0.0):
@@ -98,7 +91,7 @@ def timm_reference(plan: Plan) -> TimmReference:
     """The timm counterpart of the plan's model: its timm name; for a locality ViT the plain ViT of
     the same size, for a conv-stem ViT the patchify one; for other ViTs timm's VisionTransformer with the same dimensions. Raises
     ConfigError for families timm lacks (LocalViT's BN + SE FFN)."""
-    name = plan.config.model.name
+    name = plan.model.name
     model = _planned_model(plan)
     args = model.args
     kwargs = _create_model_kwargs(args, plan)
@@ -122,9 +115,9 @@ def timm_reference(plan: Plan) -> TimmReference:
     if isinstance(args, ViTArgs):  # timm builds the plain FFN and the patchify stem
         notes += ["no locality FFN in timm"] if args.ffn == "locality" else []
         notes += ["timm's patchify stem in place of the conv stem"] if args.stem == "conv" else []
-        flops = vit_flops(dataclasses.replace(args, ffn="mlp", stem="patch"), plan.config.data.image_size)
+        flops = vit_flops(dataclasses.replace(args, ffn="mlp", stem="patch"), plan.model.image_size)
     else:
-        flops = model_flops(model, plan.config.data.image_size)
+        flops = model_flops(model, plan.model.image_size)
     description = architecture + (f" ({'; '.join(notes)})" if notes else "")
     return TimmReference(architecture, kwargs, description, flops)
 
@@ -142,14 +135,15 @@ class TimmStyleStep:
     optimizer step; no clipping, no per-step scheduler."""
 
     def __init__(self, model: nn.Module, plan: Plan):
-        self.model, self.precision, self.device = model, plan.precision, plan.device
-        self.label_smoothing = plan.config.train.label_smoothing
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=_TIMM_WEIGHT_DECAY)
-        self.scaler = build_grad_scaler(plan.precision, plan.device)
+        self.model = model
+        self.policy = precision_policy(plan.precision.dtype, "autocast", plan.device)  # timm's AMP
+        self.label_smoothing = plan.step.label_smoothing
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=plan.optim.lr, weight_decay=_TIMM_WEIGHT_DECAY)
+        self.scaler = build_grad_scaler(self.policy)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
         self.optimizer.zero_grad(set_to_none=True)
-        with autocast_context(self.precision, self.device):
+        with self.policy.autocast_context():
             output = self.model(images)
             logits = output[0] if isinstance(output, tuple) else output
             loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
@@ -164,7 +158,7 @@ def measure_timm_training_step(plan: Plan, settings: BenchSettings, reference: T
     timm = _import_timm()
     memory = PeakMemory(plan.device)
     memory.start()
-    torch.manual_seed(plan.config.train.seed)
+    torch.manual_seed(plan.seed)
     model = timm.create_model(reference.architecture, pretrained=False, **reference.kwargs).to(plan.device)
     model.train()
     apply_compile(model, settings)

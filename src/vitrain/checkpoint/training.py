@@ -31,7 +31,7 @@ from vitrain.checkpoint.sharded import (
     optimizer_state,
     save_sharded,
 )
-from vitrain.config import ConfigError, Plan, World
+from vitrain.config import ConfigError, World
 from vitrain.data.loader import derive_seed
 from vitrain.parallel.distributed import barrier, gather_objects
 
@@ -156,32 +156,31 @@ class RunCheckpoints:
         return state
 
 
-def find_resume_checkpoint(resume: str | None, plan: Plan) -> Path | None:
-    """``auto``: the newest complete checkpoint of this run folder (or, when the folder name
-    holds ``{time}``, of the newest sibling run of the same recipe); otherwise a path."""
+def find_resume_checkpoint(resume: str | None, out_dir: Path, sibling_runs: str | None) -> Path | None:
+    """``auto``: the newest complete checkpoint of the run folder ``out_dir`` (or, with ``sibling_runs``,
+    a glob of this recipe's run folders, of the newest among them); otherwise a path."""
     if resume is None:
         return None
     if resume != "auto":
         if not Path(resume).is_file():
             raise CheckpointError(f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto")
         return Path(resume)
-    template = plan.config.train.out_dir
-    if "{time}" not in template:
-        return find_latest_checkpoint(plan.out_dir)
-    pattern = Path(template.format(recipe=plan.config.recipe, time="*"))
+    if sibling_runs is None:
+        return find_latest_checkpoint(out_dir)
+    pattern = Path(sibling_runs)
     candidates = [find_latest_checkpoint(folder) for folder in pattern.parent.glob(pattern.name)]
     candidates = [path for path in candidates if path is not None]
     return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
 
 
-def load_resume_payload(path: Path, plan: Plan) -> dict[str, Any]:
+def load_resume_payload(path: Path, model_name: str) -> dict[str, Any]:
     """The checkpoint to resume from, refused (CheckpointError/ConfigError) when it is missing,
-    unreadable, needs arbitrary unpickling, or holds another model than the config's."""
+    unreadable, needs arbitrary unpickling, or holds another model than ``model_name``."""
     payload = load_checkpoint(path / EXTRAS_FILE if is_sharded_checkpoint(path) else path)
     saved_model = payload.get("config", {}).get("model", {}).get("name")
-    if saved_model != plan.config.model.name:
+    if saved_model != model_name:
         raise ConfigError(
-            f"--resume {path}: the checkpoint holds a {saved_model} but model.name={plan.config.model.name}; "
+            f"--resume {path}: the checkpoint holds a {saved_model} but model.name={model_name}; "
             "resume with the config the run started with, or start from its weights with vitrain finetune --from"
         )
     return payload

@@ -4,7 +4,8 @@
 - :mod:`~vitrain.config.loading`: recipe -> YAML files -> ``--set`` overrides -> validated config;
 - :mod:`~vitrain.config.resolve`: :func:`resolve` turns a config into a frozen :class:`Plan` holding
   every derived number (scaled LR, steps per epoch, total and warmup steps, eval/checkpoint cadence)
-  before anything expensive runs (``vitrain.train.make_plan`` does so with this machine's facts).
+  before anything expensive runs (``vitrain.train.make_plan`` does so with this machine's facts);
+- :mod:`~vitrain.config.plan`: the :class:`Plan` and its parts, each handed to the component using it.
 
 Every user mistake is raised as :class:`ConfigError`, whose one-line message names the dotted key and
 a fix.
@@ -13,14 +14,27 @@ a fix.
 from __future__ import annotations
 
 from vitrain.config.loading import build_config, config_to_yaml, load_yaml, parse_override
+from vitrain.config.plan import (
+    BatchPlan,
+    CheckpointPlan,
+    DataPlan,
+    LoopPlan,
+    ModelPlan,
+    OptimizerPlan,
+    ParallelPlan,
+    Plan,
+    RuntimePlan,
+    SchedulePlan,
+    Stage,
+    StepPlan,
+    World,
+)
 from vitrain.config.resolve import (
     DatasetInfo,
     Hardware,
-    Plan,
-    Stage,
-    World,
     model_overrides,
     parse_duration_s,
+    precision_policy,
     resolve,
 )
 from vitrain.config.schema import (
@@ -38,7 +52,17 @@ from vitrain.config.schema import (
 )
 
 __all__ = [
+    "BatchPlan",
     "CheckpointConfig",
+    "CheckpointPlan",
+    "DataPlan",
+    "LoopPlan",
+    "ModelPlan",
+    "OptimizerPlan",
+    "ParallelPlan",
+    "RuntimePlan",
+    "SchedulePlan",
+    "StepPlan",
     "Config",
     "ConfigError",
     "CurriculumConfig",
@@ -60,5 +84,6 @@ __all__ = [
     "model_overrides",
     "parse_duration_s",
     "parse_override",
+    "precision_policy",
     "resolve",
 ]

@@ -11,9 +11,27 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from vitrain.config.plan import (
+    BatchPlan,
+    CheckpointPlan,
+    DataPlan,
+    LoopPlan,
+    ModelPlan,
+    OptimizerPlan,
+    ParallelPlan,
+    Plan,
+    RuntimePlan,
+    SchedulePlan,
+    Stage,
+    StepPlan,
+    World,
+)
 from vitrain.config.schema import Config, ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from vitrain.precision import PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,123 +44,6 @@ class DatasetInfo:
     channels: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """A stretch of the run at one image size and batch size (the curriculum is a tuple of them)."""
-
-    image_size: int
-    batch_size: int
-    lr_scale: float = 1.0
-    until: float | None = None
-    """Ends when this fraction of the run is done (None: no fraction limit)."""
-    until_epoch: float | None = None
-    """Ends at this epoch (None: no epoch limit)."""
-
-    def covers(self, progress: float, epoch: float) -> bool:
-        if self.until is not None and progress >= self.until:
-            return False
-        return self.until_epoch is None or epoch < self.until_epoch
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """This process's place among the processes of a run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    tp_size: int = 1
-    """Processes per tensor-parallel group (set by resolve); they see the same data."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def data_rank(self) -> int:
-        """Which slice of every global batch this process takes (tensor-parallel peers share one)."""
-        return self.rank // self.tp_size
-
-    @property
-    def data_size(self) -> int:
-        """Number of distinct data slices: processes over the tensor-parallel degree."""
-        return self.size // self.tp_size
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> World:
-        import os
-
-        env = os.environ if environ is None else environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A resolved run: the config plus every derived value. Immutable."""
-
-    config: Config
-    device: str
-    precision: Literal["fp32", "bf16", "fp16"]
-    precision_mode: Literal["autocast", "o2", "full"]
-    out_dir: Path
-    num_train: int
-    num_eval: int
-    num_classes: int
-    in_chans: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    patch_size: int
-    global_batch: int
-    eval_batch: int
-    lr: float
-    steps_per_epoch: int
-    """Optimizer steps per epoch at train.batch_size (the final stage's batch)."""
-    duration_unit: Literal["steps", "samples", "seconds"]
-    """What measures the run's length: optimizer steps, images, or training seconds (train.budget)."""
-    run_length: float
-    """Length of the run in its duration unit."""
-    warmup: float
-    """Warmup length: in steps when the run is measured in steps, otherwise in images."""
-    stages: tuple[Stage, ...]
-    """Curriculum stages in order; the last is the final one (data.image_size, train.batch_size)."""
-    eval_every_epochs: int
-    checkpoint_every_epochs: int
-    checkpoint_format: Literal["file", "sharded"] = "file"
-    checkpoint_every_steps: int = 0
-    """Also checkpoint at every multiple of this many steps (0: off)."""
-    checkpoint_every_s: float = 0.0
-    """Also checkpoint when this many wall-clock seconds have passed since the last one (0: off)."""
-    world: World = World()
-    """The processes sharing the run; batches are global, each data slice takes global_batch / world.data_size."""
-
-    @property
-    def shards_model(self) -> bool:
-        """FSDP and/or tensor parallelism over several processes: the parameters become DTensors."""
-        return self.world.size > 1 and self.config.parallel.strategy != "ddp"
-
-    @property
-    def total_steps(self) -> int | None:
-        """Optimizer steps of the whole run, when known before it runs."""
-        if self.duration_unit == "steps":
-            return int(self.run_length)
-        if self.duration_unit == "samples" and len({stage.batch_size for stage in self.stages}) == 1:
-            return math.ceil(self.run_length / self.global_batch)
-        return None
-
-    @property
-    def epochs(self) -> float | None:
-        """Epochs of the whole run, when known before it runs."""
-        if self.duration_unit == "seconds":
-            return None
-        if self.duration_unit == "steps":
-            return self.run_length / self.steps_per_epoch
-        return self.run_length / (self.steps_per_epoch * self.global_batch)
-
-    def stage_at(self, progress: float, epoch: float) -> Stage:
-        """The stage for a run ``progress`` (fraction done) and ``epoch`` (fractional)."""
-        return next((stage for stage in self.stages if stage.covers(progress, epoch)), self.stages[-1])
 
 
 def _require(condition: bool, message: str) -> None:
@@ -516,8 +417,134 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
     )
 
 
-def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World = World()) -> Plan:
+def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
+    """How a run computes, decided here alone from the resolved ``precision``, ``precision_mode`` and
+    whether FSDP2 shards the model (its mixed-precision policy is then O2's low-precision compute)."""
+    from vitrain.precision import PrecisionPolicy
+
+    low = precision != "fp32"
+    mode = mode if low else "autocast"  # fp32: every mode computes alike
+    if not low or mode == "autocast":
+        weights = "fp32"
+    elif mode == "o2":
+        weights = "fsdp_mixed_precision" if fsdp else "low_precision_copy"
+    else:
+        weights = "low_precision"
+    return PrecisionPolicy(
+        precision, mode, device, weights, autocast=low and mode == "autocast", loss_scaling=precision == "fp16"
+    )
+
+
+def _model_plan(config: Config, data: DatasetInfo, patch: int) -> ModelPlan:
+    return ModelPlan(
+        name=config.model.name,
+        options=model_overrides(config.model),
+        image_size=config.data.image_size,
+        in_chans=data.channels,
+        num_classes=data.num_classes,
+        patch_size=patch,
+        choose_attention=config.model.attn_impl == "auto",
+    )
+
+
+def _parallel_plan(config: Config, world: World, device: str) -> ParallelPlan:
+    train, parallel = config.train, config.parallel
+    return ParallelPlan(
+        strategy=parallel.strategy,
+        world=world,
+        device=device,
+        activation_checkpointing=train.activation_checkpointing,
+        compile=train.compile,
+        compile_backend=train.compile_backend,
+        fsdp_reshard=parallel.fsdp_reshard,
+        fsdp_cpu_offload=parallel.fsdp_cpu_offload,
+    )
+
+
+def _optimizer_plan(config: Config, lr: float) -> OptimizerPlan:
+    optim = config.optim
+    return OptimizerPlan(
+        name=optim.name,
+        implementation=optim.implementation,
+        lr=lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        momentum=optim.momentum,
+        muon_momentum=optim.muon_momentum,
+        ns_steps=optim.ns_steps,
+    )
+
+
+def _schedule_plan(
+    config: Config,
+    lr: float,
+    steps_per_epoch: int,
+    duration: tuple[str, float, float],
+    num_train: int,
+    stages: tuple[Stage, ...],
+) -> SchedulePlan:
+    """The LR schedule over the run's length, with the steps and epochs it lasts when known in advance."""
+    unit, length, warmup = duration
+    batch = config.train.batch_size
+    total_steps = epochs = None
+    if unit == "steps":
+        total_steps, epochs = int(length), length / steps_per_epoch
+    elif unit == "samples":
+        epochs = length / (steps_per_epoch * batch)
+        if len({stage.batch_size for stage in stages}) == 1:
+            total_steps = math.ceil(length / batch)
+    schedule = config.schedule
+    return SchedulePlan(
+        lr=lr,
+        name=schedule.name,
+        warmup_start=schedule.warmup_start,
+        min_lr_ratio=schedule.min_lr_ratio,
+        duration_unit=unit,
+        run_length=length,
+        warmup=warmup,
+        steps_per_epoch=steps_per_epoch,
+        num_train=num_train,
+        stages=stages,
+        total_steps=total_steps,
+        epochs=epochs,
+    )
+
+
+def _checkpoint_plan(config: Config, checkpoint_format: str) -> CheckpointPlan:
+    checkpoint, template = config.checkpoint, config.train.out_dir
+    return CheckpointPlan(
+        format=checkpoint_format,
+        keep_last=checkpoint.keep_last,
+        every_epochs=checkpoint.every_epochs,
+        every_steps=checkpoint.every_steps,
+        every_s=60.0 * checkpoint.every_minutes,
+        sibling_runs=template.format(recipe=config.recipe, time="*") if "{time}" in template else None,
+    )
+
+
+def _training_parts(config: Config) -> tuple[StepPlan, RuntimePlan, LoopPlan]:
+    train = config.train
+    return (
+        StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip),
+        RuntimePlan(
+            host_allocator=train.host_allocator, cpu_kernels=train.cpu_kernels, channels_last=train.channels_last
+        ),
+        LoopPlan(
+            eval_every_epochs=train.eval_every_epochs,
+            log_every_steps=train.log_every_steps,
+            max_skipped_steps=train.max_skipped_steps,
+            progress=train.progress,
+            init_from=train.init_from,
+        ),
+    )
+
+
+def resolve(
+    config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World | None = None
+) -> Plan:
     """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
+    world = world or World()
     patch = _resolve_patch_size(config)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
     device = _resolve_device(config.train.device, hardware.cuda_available)
@@ -526,37 +553,35 @@ def resolve(config: Config, data: DatasetInfo, hardware: Hardware, now: str = "n
     precision = _resolve_precision(config.precision, hardware)
     _check_inputs(config, data, precision)
     world, checkpoint_format = _resolve_parallel(config, world, precision, hardware.cuda_available)
-    batch = config.train.batch_size
-    duration_unit, run_length, warmup = _resolve_duration(config, steps_per_epoch)
+    parallel = _parallel_plan(config, world, device)
+    duration = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
     stages = _resolve_stages(config, patch, data.num_train)
-    eval_batch = config.train.eval_batch_size or 2 * batch
-    _check_batches_split(batch, eval_batch, stages, world)
+    batch = BatchPlan(
+        global_batch=config.train.batch_size,
+        eval_batch=config.train.eval_batch_size or 2 * config.train.batch_size,
+        micro_batch=config.train.micro_batch_size,
+        data_slices=world.data_size,
+    )
+    _check_batches_split(batch.global_batch, batch.eval_batch, stages, world)
+    lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
+    mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
+    step, runtime, loop = _training_parts(config)
     return Plan(
         config=config,
         device=device,
-        precision=precision,
-        precision_mode=config.precision_mode if precision != "fp32" else "autocast",
         out_dir=out_dir,
-        num_train=data.num_train,
-        num_eval=data.num_eval,
-        num_classes=data.num_classes,
-        in_chans=data.channels,
-        mean=tuple(config.data.mean or data.mean),
-        std=tuple(config.data.std or data.std),
-        patch_size=patch,
-        global_batch=batch,
-        eval_batch=eval_batch,
-        lr=config.optim.lr * batch / config.optim.reference_batch,
-        steps_per_epoch=steps_per_epoch,
-        duration_unit=duration_unit,
-        run_length=run_length,
-        warmup=warmup,
-        stages=stages,
-        eval_every_epochs=config.train.eval_every_epochs,
-        checkpoint_every_epochs=config.checkpoint.every_epochs,
-        checkpoint_format=checkpoint_format,
+        seed=config.train.seed,
         world=world,
-        checkpoint_every_steps=config.checkpoint.every_steps,
-        checkpoint_every_s=60.0 * config.checkpoint.every_minutes,
+        model=_model_plan(config, data, patch),
+        batch=batch,
+        precision=precision_policy(precision, config.precision_mode, device, parallel.fsdp),
+        parallel=parallel,
+        optim=_optimizer_plan(config, lr),
+        schedule=_schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages),
+        data=DataPlan(config.data, data.channels, mean, std, config.train.seed, device, world, batch),
+        step=step,
+        runtime=runtime,
+        loop=loop,
+        checkpoint=_checkpoint_plan(config, checkpoint_format),
     )

@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from vitrain.config import ConfigError, DataConfig, Plan
+from vitrain.config import ConfigError, DataConfig, DataPlan
 from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
 from vitrain.data.transforms import (
@@ -59,13 +59,13 @@ def epoch_permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
 class InMemoryLoader:
     """Batches of an in-memory dataset, augmented per batch on the dataset's device."""
 
-    def __init__(self, dataset: sources.InMemoryDataset, plan: Plan, train: bool):
+    def __init__(self, dataset: sources.InMemoryDataset, data: DataPlan, train: bool):
         self.dataset, self.train = dataset, train
-        self.rank, self.world_size = plan.world.data_rank, plan.world.data_size
-        self.config = plan.config.data
-        self.seed = plan.config.train.seed
+        self.rank, self.batches = data.world.data_rank, data.batch
+        self.config = data.source
+        self.seed = data.seed
         self.image_size = self.config.image_size
-        self.batch_size = plan.global_batch if train else plan.eval_batch
+        self.batch_size = data.batch.global_batch if train else data.batch.eval_batch
         self.epoch, self.start_sample = 0, 0
         self.bad_images = BadImageLog([], 1.0, "in-memory")  # decoded once, nothing to skip
 
@@ -75,13 +75,13 @@ class InMemoryLoader:
     def __len__(self) -> int:
         if self.train:
             return len(self.dataset) // self.batch_size
-        return -(-len(self._eval_indices()) // (self.batch_size // self.world_size))
+        return -(-len(self._eval_indices()) // self.batches.per_process(self.batch_size))
 
     def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.epoch, self.start_sample = epoch, start_sample
 
     def _eval_indices(self) -> torch.Tensor:
-        return torch.arange(self.rank, len(self.dataset), self.world_size)
+        return torch.arange(self.rank, len(self.dataset), self.batches.data_slices)
 
     def __iter__(self) -> Iterator[Batch]:
         return self._train_batches() if self.train else self._eval_batches()
@@ -90,7 +90,8 @@ class InMemoryLoader:
         count, batch = len(self.dataset), self.batch_size
         order = epoch_permutation(count, self.seed, self.epoch)
         device = self.dataset.images.device
-        local = slice(self.rank * batch // self.world_size, (self.rank + 1) * batch // self.world_size)
+        share = self.batches.per_process(batch)
+        local = slice(self.rank * share, (self.rank + 1) * share)
         for start in range(self.start_sample, count - batch + 1, batch):  # drops the partial batch
             indices = order[start : start + batch].to(device)
             images, labels = self.dataset.images[indices], self.dataset.labels[indices]
@@ -105,7 +106,8 @@ class InMemoryLoader:
             yield images[local], labels[local]
 
     def _eval_batches(self) -> Iterator[Batch]:
-        indices, batch = self._eval_indices().to(self.dataset.images.device), self.batch_size // self.world_size
+        indices = self._eval_indices().to(self.dataset.images.device)
+        batch = self.batches.per_process(self.batch_size)
         for start in range(0, len(indices), batch):
             chunk = indices[start : start + batch]
             images = batch_eval_resize(self.dataset.images[chunk], self.image_size, self.config.crop_pct)
@@ -121,20 +123,21 @@ class SeededSampler(Sampler):
     def __init__(self, count: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
         self.count, self.seed, self.shuffle = count, seed, shuffle
         self.rank, self.world_size = rank, world_size
-        self.epoch, self.start, self.batch_size = 0, 0, 1
+        self.epoch, self.start, self.batch_size, self.share = 0, 0, 1, 1
 
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
 
-    def set_batch_size(self, batch_size: int) -> None:
-        self.batch_size = batch_size
+    def set_batch_size(self, batch_size: int, share: int) -> None:
+        """``batch_size``: the global batch; ``share``: this rank's part of it."""
+        self.batch_size, self.share = batch_size, share
 
     def positions(self) -> range | list[int]:
         if self.world_size == 1:
             return range(self.start, self.count)
         if not self.shuffle:
             return range(self.start + self.rank, self.count, self.world_size)
-        local = self.batch_size // self.world_size
+        local = self.share
         return [
             batch_start + self.rank * local + offset
             for batch_start in range(self.start, self.count - self.batch_size + 1, self.batch_size)
@@ -287,19 +290,19 @@ class FileLoader:
     """A torch DataLoader over image files, positioned through its seeded sampler; rebuilt (with
     its workers) when a curriculum stage changes the image or batch size."""
 
-    def __init__(self, samples: list[tuple[str, int]], plan: Plan, train: bool):
-        self.samples, self.plan, self.train = samples, plan, train
+    def __init__(self, samples: list[tuple[str, int]], data: DataPlan, train: bool):
+        self.samples, self.data, self.train = samples, data, train
         split = "training" if train else "evaluation"
-        self.bad_images = BadImageLog(samples, plan.config.data.max_bad_fraction, split)
-        world = plan.world
-        self.sampler = SeededSampler(len(samples), plan.config.train.seed, train, world.data_rank, world.data_size)
+        self.bad_images = BadImageLog(samples, data.source.max_bad_fraction, split)
+        world = data.world
+        self.sampler = SeededSampler(len(samples), data.seed, train, world.data_rank, world.data_size)
         self.image_size, self.batch_size, self.loader = 0, 0, None
-        self.configure(plan.config.data.image_size, plan.global_batch if train else plan.eval_batch)
+        self.configure(data.source.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
     def configure(self, image_size: int, batch_size: int) -> None:
         if (image_size, batch_size) == (self.image_size, self.batch_size):
             return
-        config = self.plan.config.data
+        config = self.data.source
         self.image_size, self.batch_size = image_size, batch_size
         transform = (
             build_train_transform(config, image_size) if self.train else build_eval_transform(config, image_size)
@@ -312,15 +315,16 @@ class FileLoader:
             replace_bad=self.train,
         )
         workers = config.num_workers
-        self.sampler.set_batch_size(batch_size)
+        share = self.data.batch.per_process(batch_size)
+        self.sampler.set_batch_size(batch_size, share)
         self.loader = DataLoader(
             dataset,
-            batch_size=batch_size // self.plan.world.data_size,
+            batch_size=share,
             sampler=self.sampler,
             collate_fn=collate_decoded,
             drop_last=self.train,
             num_workers=workers,
-            pin_memory=self.plan.device.startswith("cuda"),
+            pin_memory=self.data.device.startswith("cuda"),
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
         )
@@ -342,24 +346,24 @@ class FileLoader:
             yield images, labels
 
 
-def _in_memory_split(plan: Plan, split: str) -> sources.InMemoryDataset:
-    config = plan.config.data
+def _in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
+    config = data.source
     if config.name == "fashion-mnist":
         dataset = sources.load_fashion_mnist(sources.fashion_mnist_root(config), split)
     else:
-        dataset = sources.build_synthetic(config, plan.in_chans, split)
+        dataset = sources.build_synthetic(config, data.in_chans, split)
     limit = config.limit_train if split == "train" else config.limit_eval
-    return dataset.limit(limit).to(plan.device)
+    return dataset.limit(limit).to(data.device)
 
 
-def build_loaders(plan: Plan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
+def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
     """Train and eval loaders for the plan's data source."""
-    config = plan.config.data
+    config = data.source
     if config.name == "imagefolder":
         root = Path(sources.image_folder_root(config))
         train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
         eval_samples = sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
-        return FileLoader(train_samples, plan, train=True), FileLoader(eval_samples, plan, train=False)
-    return InMemoryLoader(_in_memory_split(plan, "train"), plan, True), InMemoryLoader(
-        _in_memory_split(plan, "eval"), plan, False
+        return FileLoader(train_samples, data, train=True), FileLoader(eval_samples, data, train=False)
+    return InMemoryLoader(_in_memory_split(data, "train"), data, True), InMemoryLoader(
+        _in_memory_split(data, "eval"), data, False
     )

@@ -38,18 +38,18 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from vitrain.config import Plan
+from vitrain.config import ParallelPlan
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import wrap_data_parallel
-from vitrain.precision import LOW_PRECISION_DTYPES
+from vitrain.precision import PrecisionPolicy
 
 log = logging.getLogger("vitrain")
 
 
-def build_mesh(plan: Plan) -> DeviceMesh:
+def build_mesh(parallel: ParallelPlan) -> DeviceMesh:
     """The run's device mesh with named dimensions ("dp" and/or "tp")."""
-    world, strategy = plan.world, plan.config.parallel.strategy
-    device_type = torch.device(plan.device).type
+    world, strategy = parallel.world, parallel.strategy
+    device_type = torch.device(parallel.device).type
     if strategy == "fsdp":
         return init_device_mesh(device_type, (world.size,), mesh_dim_names=("dp",))
     if strategy == "tp":
@@ -85,12 +85,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, plan)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelPlan, precision: PrecisionPolicy) -> None:
     """FSDP2 per block, then the root (whose remaining parameters form one more group)."""
-    parallel = plan.config.parallel
-    o2 = plan.precision_mode == "o2" and plan.precision in LOW_PRECISION_DTYPES
+    o2 = precision.weights == "fsdp_mixed_precision"
     policy = MixedPrecisionPolicy(
-        param_dtype=LOW_PRECISION_DTYPES[plan.precision] if o2 else None,
+        param_dtype=precision.compute_dtype if o2 else None,
         reduce_dtype=torch.float32 if o2 else None,
     )
     options = {
@@ -122,6 +121,15 @@ def apply_buffer_sync(model: nn.Module, mesh: DeviceMesh) -> None:
     model.register_forward_pre_hook(broadcast_buffers)
 
 
+def apply_compile(model: nn.Module, parallel: ParallelPlan) -> None:
+    """``torch.compile`` the module in place: per block (:func:`apply_block_compile`), or, for
+    ``compile_scope=model`` (the benchmark's ``--compile``), the whole module at once."""
+    if parallel.compile_scope == "blocks":
+        apply_block_compile(model, parallel.compile_backend)
+    else:
+        model.compile(backend=parallel.compile_backend)
+
+
 def apply_block_compile(model: nn.Module, backend: str) -> None:
     """``torch.compile`` every block in place (torchtitan's per-block compile: blocks of one class share a
     graph, so compiling costs one block per input shape, not the whole model). Shapes are static: each
@@ -131,24 +139,24 @@ def apply_block_compile(model: nn.Module, backend: str) -> None:
         block.compile(backend=backend, dynamic=False)
 
 
-def parallelize(model: nn.Module, plan: Plan) -> nn.Module:
+def parallelize(model: nn.Module, parallel: ParallelPlan, precision: PrecisionPolicy) -> nn.Module:
     """Apply the plan's parallelism to ``model``, the module that runs forward and backward (under O2
     its low-precision copy), in this order: tensor parallelism -> activation checkpointing -> compile ->
     FSDP2 (fsdp, fsdp+tp) or DDP (ddp over several processes). Returns the module each step calls:
-    ``model`` itself, changed in place, or its DDP wrapper."""
-    strategy = plan.config.parallel.strategy
-    mesh = build_mesh(plan) if plan.shards_model else None
-    if mesh is not None and "tp" in strategy:
+    ``model`` itself, changed in place, or its DDP wrapper. ``precision``: FSDP2's mixed-precision policy."""
+    mesh = build_mesh(parallel) if parallel.shards_model else None
+    if mesh is not None and "tp" in parallel.strategy:
         apply_tensor_parallel(model, mesh["tp"])
-    if plan.config.train.activation_checkpointing:
-        apply_activation_checkpointing(model, plan.config.train.activation_checkpointing)
-    if plan.config.train.compile:
-        apply_block_compile(model, plan.config.train.compile_backend)
+    if parallel.activation_checkpointing:
+        apply_activation_checkpointing(model, parallel.activation_checkpointing)
+    if parallel.compile:
+        apply_compile(model, parallel)
     if mesh is not None:
-        if "fsdp" in strategy:
-            apply_fsdp(model, mesh["dp"], plan)
+        if parallel.fsdp:
+            apply_fsdp(model, mesh["dp"], parallel, precision)
             apply_buffer_sync(model, mesh)
-        log.info("parallel: %s over mesh %s", strategy, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
-    elif plan.world.size > 1:
-        return wrap_data_parallel(model, plan.device)
+        shape = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+        log.info("parallel: %s over mesh %s", parallel.strategy, shape)
+    elif parallel.world.size > 1:
+        return wrap_data_parallel(model, parallel.device)
     return model

@@ -12,7 +12,6 @@ thread count and shape, so the probe runs once per machine and shape.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -26,7 +25,7 @@ from torch import nn
 
 from vitrain.metrics.records import run_environment
 from vitrain.models.layers import Attention
-from vitrain.train.step import LOW_PRECISION_DTYPES, autocast_context
+from vitrain.precision import PrecisionPolicy
 
 log = logging.getLogger("vitrain")
 
@@ -61,14 +60,15 @@ def attention_shapes(model: nn.Module, images: torch.Tensor) -> dict[Shape, list
     return shapes
 
 
-def time_attention(impl: str, shape: Shape, batch: int, precision: str, mode: str, device: str) -> float:
-    """Median seconds of one forward + backward of an attention layer of ``shape``."""
+def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy) -> float:
+    """Median seconds of one forward + backward of an attention layer of ``shape``, computing as the
+    run's training forward does (its weights' dtype, autocast or not)."""
     tokens, width, heads = shape
-    dtype = LOW_PRECISION_DTYPES.get(precision, torch.float32) if mode in ("o2", "full") else torch.float32
+    device, dtype = policy.device, policy.weights_dtype
     generator = torch.Generator(device=device).manual_seed(0)
     module = Attention(width, heads, impl=impl, device=device, dtype=dtype)
     x = torch.randn(batch, tokens, width, device=device, dtype=dtype, generator=generator, requires_grad=True)
-    context = autocast_context(precision, device) if mode == "autocast" else contextlib.nullcontext()
+    context = policy.training_context()
 
     def run(steps: int) -> float:
         started = time.perf_counter()
@@ -84,11 +84,11 @@ def time_attention(impl: str, shape: Shape, batch: int, precision: str, mode: st
     return statistics.median(run(3) for _ in range(3))
 
 
-def _key(shape: Shape, batch: int, precision: str, mode: str, device: str) -> str:
+def _key(shape: Shape, batch: int, policy: PrecisionPolicy) -> str:
     tokens, width, heads = shape
-    facts = run_environment(device)
+    facts = run_environment(policy.device)
     return (
-        f"{facts['device_name']} x{torch.get_num_threads()} | torch {torch.__version__} | {precision} {mode} | "
+        f"{facts['device_name']} x{torch.get_num_threads()} | torch {torch.__version__} | {policy.dtype} {policy.mode} | "
         f"batch {batch}, {tokens} tokens, width {width}, {heads} heads"
     )
 
@@ -110,9 +110,7 @@ def _write_cache(path: Path, cache: dict) -> None:
         log.warning("attention probe: could not cache results in %s (%s)", path, error)
 
 
-def choose_attention(
-    model: nn.Module, images: torch.Tensor, batch: int, precision: str, mode: str, device: str
-) -> dict[Shape, str]:
+def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy: PrecisionPolicy) -> dict[Shape, str]:
     """Set the faster implementation on every attention layer of ``model``; return the choice per shape.
     ``images``: one input of the run's shape (a meta tensor is enough)."""
     shapes = attention_shapes(model, images)
@@ -120,10 +118,10 @@ def choose_attention(
     cache = _read_cache(path)
     chosen, measured_any = {}, False
     for shape, modules in shapes.items():
-        key = _key(shape, batch, precision, mode, device)
+        key = _key(shape, batch, policy)
         measured = key not in cache
         if measured:
-            seconds = {impl: time_attention(impl, shape, batch, precision, mode, device) for impl in IMPLEMENTATIONS}
+            seconds = {impl: time_attention(impl, shape, batch, policy) for impl in IMPLEMENTATIONS}
             cache[key] = {
                 "impl": min(seconds, key=seconds.get),
                 **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},

@@ -34,7 +34,7 @@ from vitrain.checkpoint import CheckpointManager, RunCheckpoints
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
-from vitrain.config import ConfigError, Plan, config_to_yaml, model_overrides
+from vitrain.config import ConfigError, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.models import build_model, load_pretrained
@@ -44,29 +44,9 @@ from vitrain.train.attention_probe import choose_attention
 from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
 from vitrain.train.state import TrainState
-from vitrain.train.step import TrainStep, apply_precision, autocast_context, build_grad_scaler
+from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
 log = logging.getLogger("vitrain")
-
-
-def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
-    """The plan's model: built on the meta device, materialized on ``device``, initialized."""
-    model_config = plan.config.model
-    model = build_model(
-        model_config.name,
-        device="meta",
-        img_size=plan.config.data.image_size,
-        in_chans=plan.in_chans,
-        num_classes=plan.num_classes,
-        **model_overrides(model_config),
-    )
-    if model_config.attn_impl == "auto":  # shapes from a meta-device forward, before materializing
-        size = plan.config.data.image_size
-        images = torch.empty(1, plan.in_chans, size, size, device="meta")
-        choose_attention(model, images, plan.config.train.batch_size, plan.precision, plan.precision_mode, plan.device)
-    model.to_empty(device=device or plan.device)
-    model.init_weights()
-    return model
 
 
 @dataclasses.dataclass
@@ -84,37 +64,42 @@ class Run:
     state: TrainState
 
 
-def _apply_converters(model: nn.Module, plan: Plan) -> None:
-    """Stage 2: what changes how the built model computes, applied from outside it."""
-    kernels.set_mode(plan.config.train.cpu_kernels)
-    cpu_features.warn_if_bf16_emulated(plan.device, plan.precision)
-    if plan.device == "cpu" and plan.precision == "bf16" and plan.precision_mode != "autocast":
-        kernels.paths()  # where they will apply: build (or load the cached build) and probe before any clock
-    if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
-        model.to(memory_format=torch.channels_last)
+def build_run(plan: Plan) -> Run:
+    """Every stage, in the order of this module's docstring."""
+    step_fn = build_training_step(plan)  # 1-5: model, converters, parallelism, optimizer, step
+    train_loader, eval_loader = build_loaders(plan.data)  # 6
+    checkpoints = _build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader})  # 7
+    return Run(
+        plan=plan,
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
+        step_fn=step_fn,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        normalize=Normalize(plan.data.mean, plan.data.std, plan.device, plan.runtime.channels_last),
+        checkpoints=checkpoints,
+        state=TrainState(),
+    )
 
 
 def build_training_step(plan: Plan) -> TrainStep:
     """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them."""
-    configure_host_allocator(plan.config.train.host_allocator)  # before the step's first allocations
-    torch.manual_seed(plan.config.train.seed)
-    model = build_model_for(plan)
-    _apply_converters(model, plan)
-    fsdp = plan.shards_model and "fsdp" in plan.config.parallel.strategy
-    low_precision = apply_precision(model, plan.precision, plan.precision_mode, fsdp_mixed_precision=fsdp)
-    forward_module = parallelize(low_precision.compute if low_precision else model, plan)
-    optimizer = build_optimizer(model, plan)  # after sharding, which replaces the parameters by DTensors
+    configure_host_allocator(plan.runtime.host_allocator)  # before the step's first allocations
+    torch.manual_seed(plan.seed)
+    model = build_model_for(plan)  # 1
+    _apply_converters(model, plan)  # 2
+    low_precision = apply_precision(model, plan.precision)  # 3: O2's copy is the module that runs
+    forward_module = parallelize(low_precision.compute if low_precision else model, plan.parallel, plan.precision)
+    optimizer = build_optimizer(model, plan.optim, plan.precision)  # 4: after sharding made the parameters DTensors
     several = plan.world.size > 1
-    step = TrainStep(
+    step = TrainStep(  # 5
         model,
         optimizer,
-        build_grad_scaler(plan.precision, plan.device, plan.precision_mode),
+        build_grad_scaler(plan.precision),
         plan.precision,
-        plan.device,
-        plan.config.train.label_smoothing,
-        plan.config.optim.grad_clip,
-        plan.precision_mode,
-        micro_batch=plan.config.train.micro_batch_size,
+        plan.step.label_smoothing,
+        plan.step.grad_clip,
+        micro_batch=plan.batch.micro_batch,
         low_precision=low_precision,
         forward_module=forward_module,
         agree_on_skip=_agree_across_processes if several else None,
@@ -122,8 +107,32 @@ def build_training_step(plan: Plan) -> TrainStep:
     if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
         # draws (tensor-parallel peers compute one slice together, so they draw alike)
-        torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
+        torch.manual_seed(derive_seed(plan.seed, plan.world.data_rank))
     return step
+
+
+def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
+    """The plan's model: built on the meta device, materialized on ``device``, initialized."""
+    model = build_model(plan.model.name, device="meta", **plan.model.arguments)
+    if plan.model.choose_attention:  # shapes from a meta-device forward, before materializing
+        size = plan.model.image_size
+        images = torch.empty(1, plan.model.in_chans, size, size, device="meta")
+        choose_attention(model, images, plan.batch.global_batch, plan.precision)
+    model.to_empty(device=device or plan.device)
+    model.init_weights()
+    return model
+
+
+def _apply_converters(model: nn.Module, plan: Plan) -> None:
+    """Stage 2, the converters: what changes how the built model computes, applied from outside it (the
+    fused CPU kernels' mode, built and probed here before any clock; channels-last weights)."""
+    policy = plan.precision
+    kernels.set_mode(plan.runtime.cpu_kernels)
+    cpu_features.warn_if_bf16_emulated(policy.device, policy.dtype)
+    if policy.device == "cpu" and policy.dtype == "bf16" and policy.mode != "autocast":
+        kernels.paths()  # where they will apply: build (or load the cached build) and probe before any clock
+    if plan.runtime.channels_last:  # in place: same parameter objects, NHWC strides
+        model.to(memory_format=torch.channels_last)
 
 
 def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
@@ -131,18 +140,42 @@ def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
     return all_reduce_(skipped, "max")
 
 
-def eval_batch_per_process(plan: Plan) -> int:
-    return plan.eval_batch // plan.world.data_size
+def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) -> RunCheckpoints:
+    """Stage 7: the run folder's checkpoints and what each one saves."""
+    return RunCheckpoints(
+        manager=CheckpointManager(plan.out_dir, plan.checkpoint.keep_last),
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
+        scaler=step_fn.scaler,
+        bad_images={split: loader.bad_images for split, loader in loaders.items()},
+        record={
+            "config": plan.config.model_dump(mode="json"),
+            "plan": {
+                "lr": plan.schedule.lr,
+                "global_batch": plan.batch.global_batch,
+                "steps_per_epoch": plan.schedule.steps_per_epoch,
+                "duration_unit": plan.schedule.duration_unit,
+                "run_length": plan.schedule.run_length,
+                "precision": plan.precision.dtype,
+                "precision_mode": plan.precision.mode,
+            },
+        },
+        world=plan.world,
+        seed=plan.seed,
+        sharded=plan.checkpoint.format == "sharded",
+        gathers=plan.parallel.shards_model,
+        weights_loaded=step_fn.weights_changed,
+    )
 
 
 def forward_shapes(plan: Plan) -> list[tuple[int, int]]:
     """(batch, image size) of every forward pass the run will make: each stage's accumulation pieces
     (the last piece may be smaller) and evaluation (at data.image_size, padded to full batches)."""
-    shapes = []
-    for stage in plan.stages:
-        share = stage.batch_size // plan.world.data_size
-        micro = min(plan.config.train.micro_batch_size or share, share)
-        shapes += [(micro, stage.image_size)] + ([(share % micro, stage.image_size)] if share % micro else [])
+    shapes = [
+        (batch, stage.image_size)
+        for stage in plan.schedule.stages
+        for batch in plan.batch.forward_batches(stage.batch_size)
+    ]
     return list(dict.fromkeys(shapes))
 
 
@@ -155,66 +188,20 @@ def warm_up_compiled_shapes(run: Run) -> float:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes) + 2)
     buffers = {name: buffer.clone() for name, buffer in run.model.named_buffers()}
     rng = capture_rng_state()
+    channels = plan.model.in_chans
     step_fn.warm_up(
-        run.normalize(torch.zeros(batch, plan.in_chans, size, size, device=plan.device)) for batch, size in shapes
+        run.normalize(torch.zeros(batch, channels, size, size, device=plan.device)) for batch, size in shapes
     )
-    size = plan.config.data.image_size
-    with torch.inference_mode(), autocast_context(plan.precision, plan.device):
+    size = plan.model.image_size
+    with torch.inference_mode(), plan.precision.autocast_context():
         run.model.eval()
-        run.model(
-            run.normalize(torch.zeros(eval_batch_per_process(plan), plan.in_chans, size, size, device=plan.device))
-        )
+        run.model(run.normalize(torch.zeros(plan.batch.eval_per_process, channels, size, size, device=plan.device)))
         run.model.train()
     with torch.no_grad():
         for name, buffer in run.model.named_buffers():
             buffer.copy_(buffers[name])
     restore_rng_state(rng)
     return time.perf_counter() - started
-
-
-def build_run(plan: Plan) -> Run:
-    """Every stage, in the order of this module's docstring."""
-    step_fn = build_training_step(plan)
-    train_loader, eval_loader = build_loaders(plan)
-    return Run(
-        plan=plan,
-        model=step_fn.model,
-        optimizer=step_fn.optimizer,
-        step_fn=step_fn,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        normalize=Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last),
-        checkpoints=_build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader}),
-        state=TrainState(),
-    )
-
-
-def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) -> RunCheckpoints:
-    """Stage 7: the run folder's checkpoints and what each one saves."""
-    return RunCheckpoints(
-        manager=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
-        model=step_fn.model,
-        optimizer=step_fn.optimizer,
-        scaler=step_fn.scaler,
-        bad_images={split: loader.bad_images for split, loader in loaders.items()},
-        record={
-            "config": plan.config.model_dump(mode="json"),
-            "plan": {
-                "lr": plan.lr,
-                "global_batch": plan.global_batch,
-                "steps_per_epoch": plan.steps_per_epoch,
-                "duration_unit": plan.duration_unit,
-                "run_length": plan.run_length,
-                "precision": plan.precision,
-                "precision_mode": plan.precision_mode,
-            },
-        },
-        world=plan.world,
-        seed=plan.config.train.seed,
-        sharded=plan.checkpoint_format == "sharded",
-        gathers=plan.shards_model,
-        weights_loaded=step_fn.weights_changed,
-    )
 
 
 def apply_init_from(run: Run, path: Path) -> list[str]:
@@ -237,7 +224,7 @@ def apply_init_from(run: Run, path: Path) -> list[str]:
         "initialized from %s (trained at %s px, now %d px)%s",
         path,
         saved_size,
-        run.plan.config.data.image_size,
+        run.plan.model.image_size,
         f"; new classifier: {', '.join(fresh)}" if fresh else "",
     )
     return fresh

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain.parallel.distributed import all_reduce_
-from vitrain.train.step import autocast_context
+from vitrain.precision import PrecisionPolicy
 
 
 @torch.inference_mode()
@@ -17,15 +17,15 @@ def evaluate(
     model: nn.Module,
     loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
     prepare: Callable[[torch.Tensor], torch.Tensor],
-    precision: str,
-    device: str,
+    policy: PrecisionPolicy,
     replicas: int = 1,
     pad_to: int | None = None,
 ) -> dict[str, float]:
     """Accuracy in percent; ``prepare`` turns a uint8 batch into the model's input. ``replicas``: how many
     processes evaluated each sample (tensor-parallel peers share their data), so sums count it once.
     ``pad_to``: a smaller last batch is padded to this size (outputs of the padding dropped), so a
-    compiled model sees one shape."""
+    compiled model sees one shape. The forward runs under the policy's autocast (every precision mode)."""
+    device = policy.device
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # count, top1, top5, loss sum
@@ -34,7 +34,7 @@ def evaluate(
         count = len(images)
         if pad_to is not None and count < pad_to:
             images = torch.cat([images, images.new_zeros((pad_to - count, *images.shape[1:]))])
-        with autocast_context(precision, device):
+        with policy.autocast_context():
             logits = model(images)[:count].float()
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]

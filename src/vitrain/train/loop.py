@@ -21,13 +21,11 @@ from tqdm import tqdm
 from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, load_resume_payload
 from vitrain.config import Plan, Stage
 from vitrain.metrics import JsonlWriter, NullWriter
-from vitrain.models import num_parameters
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
     Run,
     apply_init_from,
     build_run,
-    eval_batch_per_process,
     forward_shapes,
     prepare_run_folder,
     warm_up_compiled_shapes,
@@ -37,7 +35,7 @@ from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
 from vitrain.train.signals import Preempted, StopSignals
 from vitrain.train.skips import SkipCounter
 from vitrain.train.state import TrainState
-from vitrain.train.summary import describe_length, write_summary
+from vitrain.train.summary import describe_start, write_summary
 
 log = logging.getLogger("vitrain")
 
@@ -77,22 +75,22 @@ class Trainer:
         """Training seconds of the run so far, the open window included (host clock, no device sync).
         Several processes on a budget all take rank 0's clock, so they agree on LR, stages and the stop."""
         seconds = self.run.state.train_s + (self.clock() - self.window_started)
-        if self.plan.world.size > 1 and self.plan.duration_unit == "seconds":
+        if self.plan.world.size > 1 and self.plan.schedule.duration_unit == "seconds":
             seconds = rank0_value(seconds, self.plan.device)
         return seconds
 
     def progress(self) -> float:
-        return run_progress(self.plan, self.run.state, self.train_seconds())
+        return run_progress(self.plan.schedule, self.run.state, self.train_seconds())
 
     def current_stage(self) -> Stage:
-        return self.plan.stage_at(self.progress(), self.run.state.epoch_position(self.plan.num_train))
+        return self.plan.schedule.stage_at(self.progress(), self._epoch())
 
     def _clocks(self) -> dict[str, float]:
         """Training seconds (the run's total, eval/checkpoint excluded) and wall seconds of this session."""
         return {"train_s": self.run.state.train_s, "elapsed_s": self.clock() - self.wall_started}
 
     def _epoch(self) -> float:
-        return self.run.state.epoch_position(self.plan.num_train)
+        return self.run.state.epoch_position(self.plan.schedule.num_train)
 
     # --- eval, checkpoints, metrics ----------------------------------------------------------
 
@@ -105,9 +103,8 @@ class Trainer:
             run.eval_loader,
             run.normalize,
             plan.precision,
-            plan.device,
             replicas=plan.world.tp_size,
-            pad_to=eval_batch_per_process(plan) if plan.config.train.compile else None,
+            pad_to=plan.batch.eval_per_process if plan.parallel.compile else None,
         )
         run.state.eval_s += self.clock() - started
         run.state.last_eval = result
@@ -142,7 +139,7 @@ class Trainer:
         """After a step: checkpoint by the step or wall-clock cadence, or, when a signal asked, checkpoint
         and raise :class:`Preempted`. Several processes agree first, so all act at the same step."""
         plan, state = self.plan, self.run.state
-        every_s = plan.checkpoint_every_s
+        every_s = plan.checkpoint.every_s
         due_by_time = every_s > 0 and self.clock() - self.last_checkpoint_at >= every_s
         if plan.world.size > 1:
             stop, due_by_time = any_rank(self.stop.received is not None, due_by_time)
@@ -150,7 +147,8 @@ class Trainer:
             stop = self.stop.received is not None
         if stop:
             self._preempt(progress)
-        due_by_steps = plan.checkpoint_every_steps > 0 and state.step % plan.checkpoint_every_steps == 0
+        every_steps = plan.checkpoint.every_steps
+        due_by_steps = every_steps > 0 and state.step % every_steps == 0
         if (due_by_steps or due_by_time) and self.progress() < 1.0:  # the end of the run saves anyway
             self._close_window(progress)
             self.save_checkpoint()
@@ -169,12 +167,12 @@ class Trainer:
         raise Preempted(signal_name, state.step, self.run.checkpoints.manager.path_for(state.step))
 
     def _progress_bar(self) -> tqdm:
-        mode = self.plan.config.train.progress
+        mode, schedule = self.plan.loop.progress, self.plan.schedule
         disabled = (not sys.stderr.isatty() if mode == "auto" else not mode) or not self.plan.world.is_main
-        unit = {"steps": "step", "samples": "img", "seconds": "s"}[self.plan.duration_unit]
+        unit = {"steps": "step", "samples": "img", "seconds": "s"}[schedule.duration_unit]
         return tqdm(
-            total=round(self.plan.run_length),
-            initial=round(min(1.0, self.progress()) * self.plan.run_length),
+            total=round(schedule.run_length),
+            initial=round(min(1.0, self.progress()) * schedule.run_length),
             disable=disabled,
             unit=unit,
             unit_scale=unit == "img",
@@ -218,7 +216,7 @@ class Trainer:
 
     def _check_skipped_steps(self, loss_value: float, grad_norm_value: float) -> None:
         """Bring the skip counts into the state; stop when a streak passed train.max_skipped_steps."""
-        state, limit = self.run.state, self.plan.config.train.max_skipped_steps
+        state, limit = self.run.state, self.plan.loop.max_skipped_steps
         state.skipped_steps, state.skip_streak, longest = self.skips.read()
         if longest <= limit:
             return
@@ -232,7 +230,7 @@ class Trainer:
 
     def _enter_stage(self, stage: Stage) -> None:
         if stage != self.stage:
-            if self.stage is not None or len(self.plan.stages) > 1:
+            if self.stage is not None or len(self.plan.schedule.stages) > 1:
                 log.info(
                     "stage: image size %d, batch %d, lr x%g (epoch %.2f, %.1f%% of the run)",
                     stage.image_size,
@@ -269,18 +267,18 @@ class Trainer:
             if batch is None:
                 return True
             images, labels = batch
-            apply_lr(run.optimizer, scheduled_lr(plan, state, self.train_seconds()))
+            apply_lr(run.optimizer, scheduled_lr(plan.schedule, state, self.train_seconds()))
             images = run.normalize(images.to(plan.device, non_blocking=True))
             self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
             self.skips.add(run.step_fn.skipped)
             state.step += 1
-            images_in_step = len(labels) * plan.world.data_size  # the global batch (TP peers share a slice)
+            images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
             state.epoch_images += images_in_step
             self.window_images += images_in_step
-            position = min(1.0, self.progress()) * plan.run_length
+            position = min(1.0, self.progress()) * plan.schedule.run_length
             progress.update(round(position) - progress.n)
-            if state.step % plan.config.train.log_every_steps == 0:
+            if state.step % plan.loop.log_every_steps == 0:
                 self._close_window(progress)
             self._checkpoint_or_stop(progress)
             if self.progress() >= 1.0 or self.current_stage() != self.stage:
@@ -289,8 +287,9 @@ class Trainer:
     def _end_epoch(self, progress: tqdm) -> None:
         state, plan = self.run.state, self.plan
         state.epoch, state.epoch_images = state.epoch + 1, 0
-        due_eval = plan.eval_every_epochs > 0 and state.epoch % plan.eval_every_epochs == 0
-        due_checkpoint = plan.checkpoint_every_epochs > 0 and state.epoch % plan.checkpoint_every_epochs == 0
+        eval_every, checkpoint_every = plan.loop.eval_every_epochs, plan.checkpoint.every_epochs
+        due_eval = eval_every > 0 and state.epoch % eval_every == 0
+        due_checkpoint = checkpoint_every > 0 and state.epoch % checkpoint_every == 0
         if not (due_eval or due_checkpoint) or self.progress() >= 1.0:
             return  # the end of the run evaluates and saves anyway
         self._close_window(progress)
@@ -336,41 +335,42 @@ class Trainer:
 def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Train ``plan`` to its end (resuming from a checkpoint when asked); return the summary.
     ``clock`` (seconds) measures training time, hence budgets; tests inject a fake one."""
-    checkpoint_path = broadcast_object(find_resume_checkpoint(resume, plan))  # rank 0's view of the folder
-    payload = None
-    if checkpoint_path is not None:
-        plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
-        payload = load_resume_payload(checkpoint_path, plan)  # refused before any work when it cannot serve
-    elif resume == "auto":
-        log.info("--resume auto: no checkpoint found, starting a new run")
+    plan, checkpoint_path, payload = _resume_point(plan, resume)
     prepare_run_folder(plan)
     run = build_run(plan)
     if payload is not None:
         run.state = TrainState.from_state_dict(run.checkpoints.resume(checkpoint_path, payload))
-    elif plan.config.train.init_from is not None:
-        apply_init_from(run, Path(plan.config.train.init_from))
-    log.info(
-        "%s: %s params, %s at batch %d, lr %.3g, %s on %s -> %s",
-        plan.config.model.name,
-        f"{num_parameters(run.model) / 1e6:.2f}M",
-        describe_length(plan),
-        plan.global_batch,
-        plan.lr,
-        plan.precision + (f" ({plan.precision_mode})" if plan.precision_mode != "autocast" else ""),
-        plan.device,
-        plan.out_dir,
-    )
+    elif plan.loop.init_from is not None:
+        apply_init_from(run, Path(plan.loop.init_from))
+    log.info("%s", describe_start(run))
     if plan.world.is_main:
         metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
     else:
         metrics = NullWriter()
-    if plan.config.train.compile:
-        seconds = warm_up_compiled_shapes(run)
-        shapes = forward_shapes(plan)
-        log.info("compiled %d training shape(s) and the eval shape in %.1f s (outside the clock)", len(shapes), seconds)
-        metrics.write({"event": "compile", "step": run.state.step, "seconds": seconds, "shapes": shapes})
+    if plan.parallel.compile:
+        _warm_up(run, metrics)
     try:
         with StopSignals() as stop:  # SIGTERM/SIGUSR1: finish the step, checkpoint, raise Preempted
             return Trainer(run, metrics, clock, stop).train()
     finally:
         metrics.close()
+
+
+def _resume_point(plan: Plan, resume: str | None) -> tuple[Plan, Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume from (rank 0's view of the folder), its content, and the plan with the
+    run folder it belongs to; refused before any work when it cannot serve."""
+    checkpoint_path = broadcast_object(find_resume_checkpoint(resume, plan.out_dir, plan.checkpoint.sibling_runs))
+    if checkpoint_path is None:
+        if resume == "auto":
+            log.info("--resume auto: no checkpoint found, starting a new run")
+        return plan, None, None
+    plan = dataclasses.replace(plan, out_dir=checkpoint_path.parent.parent)
+    return plan, checkpoint_path, load_resume_payload(checkpoint_path, plan.model.name)
+
+
+def _warm_up(run: Run, metrics: JsonlWriter | NullWriter) -> None:
+    """train.compile: every shape compiled before the clock starts."""
+    seconds = warm_up_compiled_shapes(run)
+    shapes = forward_shapes(run.plan)
+    log.info("compiled %d training shape(s) and the eval shape in %.1f s (outside the clock)", len(shapes), seconds)
+    metrics.write({"event": "compile", "step": run.state.step, "seconds": seconds, "shapes": shapes})

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as adamw_update
 
-from vitrain.config import Plan
+from vitrain.config import OptimizerPlan
+from vitrain.precision import PrecisionPolicy
 
 # Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024, github.com/KellerJordan/Muon): chosen
 # for the steepest slope at zero, so five steps bring every singular value into about [0.7, 1.2].
@@ -258,20 +259,17 @@ def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
     }[implementation]
 
 
-def build_optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
-    config = plan.config.optim
-    flags = implementation_flags(config.implementation, plan.device)
-    if config.name == "muon":
+def build_optimizer(model: nn.Module, optim: OptimizerPlan, precision: PrecisionPolicy) -> torch.optim.Optimizer:
+    flags = implementation_flags(optim.implementation, precision.device)
+    if optim.name == "muon":
         # Newton-Schulz in bf16 where the run computes in bf16 (the device has it natively), else fp32
-        dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-        groups = build_muon_param_groups(model, config.weight_decay)
-        return MuonAdamW(
-            groups, plan.lr, config.betas, config.eps, config.muon_momentum, config.ns_steps, dtype, **flags
-        )
-    groups = build_param_groups(model, config.weight_decay)
-    if config.name == "lamb":  # no fused LAMB in torch: multi-tensor unless one tensor at a time is asked for
-        foreach = config.implementation != "for-loop"
-        return Lamb(groups, plan.lr, config.betas, config.eps, config.weight_decay, foreach=foreach)
-    if config.name == "adamw":
-        return torch.optim.AdamW(groups, lr=plan.lr, betas=config.betas, eps=config.eps, **flags)
-    return torch.optim.SGD(groups, lr=plan.lr, momentum=config.momentum, **flags)
+        dtype = torch.bfloat16 if precision.dtype == "bf16" else torch.float32
+        groups = build_muon_param_groups(model, optim.weight_decay)
+        return MuonAdamW(groups, optim.lr, optim.betas, optim.eps, optim.muon_momentum, optim.ns_steps, dtype, **flags)
+    groups = build_param_groups(model, optim.weight_decay)
+    if optim.name == "lamb":  # no fused LAMB in torch: multi-tensor unless one tensor at a time is asked for
+        foreach = optim.implementation != "for-loop"
+        return Lamb(groups, optim.lr, optim.betas, optim.eps, optim.weight_decay, foreach=foreach)
+    if optim.name == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, **flags)
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, **flags)

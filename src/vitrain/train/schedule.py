@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from vitrain.config import Plan
+from vitrain.config import SchedulePlan
 from vitrain.train.state import TrainState
 
 
@@ -26,13 +26,13 @@ def lr_factor(position: float, length: float, warmup: float, name: str, warmup_s
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def run_progress(plan: Plan, state: TrainState, train_s: float) -> float:
+def run_progress(schedule: SchedulePlan, state: TrainState, train_s: float) -> float:
     """Fraction of the run done (may pass 1.0 on the last step): steps, images or budget seconds."""
-    position = {"steps": state.step, "samples": state.images_seen, "seconds": train_s}[plan.duration_unit]
-    return position / plan.run_length
+    position = {"steps": state.step, "samples": state.images_seen, "seconds": train_s}[schedule.duration_unit]
+    return position / schedule.run_length
 
 
-def scheduled_lr(plan: Plan, state: TrainState, train_s: float) -> float:
+def scheduled_lr(schedule: SchedulePlan, state: TrainState, train_s: float) -> float:
     """Peak LR x schedule x the current curriculum stage's multiplier.
 
     Budget runs warm up over images (the warmup is a count of steps' worth of images, known in
@@ -40,18 +40,17 @@ def scheduled_lr(plan: Plan, state: TrainState, train_s: float) -> float:
     budget runs out. (The decay's clock runs during the warmup too: at a warmup of w of the
     budget the peak is cos(pi w) lower, under 1 % for w < 6 %.)
     """
-    config = plan.config.schedule
-    shape = (config.name, config.warmup_start, config.min_lr_ratio)
-    if plan.duration_unit == "steps":
-        factor = lr_factor(state.step, plan.run_length, plan.warmup, *shape)
-    elif plan.duration_unit == "samples":
-        factor = lr_factor(state.images_seen, plan.run_length, plan.warmup, *shape)
-    elif state.images_seen < plan.warmup:
-        factor = lr_factor(state.images_seen, math.inf, plan.warmup, *shape)
+    shape = (schedule.name, schedule.warmup_start, schedule.min_lr_ratio)
+    if schedule.duration_unit == "steps":
+        factor = lr_factor(state.step, schedule.run_length, schedule.warmup, *shape)
+    elif schedule.duration_unit == "samples":
+        factor = lr_factor(state.images_seen, schedule.run_length, schedule.warmup, *shape)
+    elif state.images_seen < schedule.warmup:
+        factor = lr_factor(state.images_seen, math.inf, schedule.warmup, *shape)
     else:
-        factor = lr_factor(train_s, plan.run_length, 0.0, *shape)
-    stage = plan.stage_at(run_progress(plan, state, train_s), state.epoch_position(plan.num_train))
-    return plan.lr * factor * stage.lr_scale
+        factor = lr_factor(train_s, schedule.run_length, 0.0, *shape)
+    stage = schedule.stage_at(run_progress(schedule, state, train_s), state.epoch_position(schedule.num_train))
+    return schedule.lr * factor * stage.lr_scale
 
 
 def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -19,14 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vitrain.parallel.distributed import holds_dtensors
-from vitrain.precision import LOW_PRECISION_DTYPES
-
-
-def autocast_context(precision: str, device: str) -> contextlib.AbstractContextManager:
-    """Autocast for bf16/fp16; a no-op for fp32."""
-    if precision not in LOW_PRECISION_DTYPES:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=LOW_PRECISION_DTYPES[precision])
+from vitrain.precision import PrecisionPolicy
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -37,10 +30,10 @@ class HalfWeightsGradScaler(torch.amp.GradScaler):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
-def build_grad_scaler(precision: str, device: str, precision_mode: str = "autocast") -> torch.amp.GradScaler:
-    """Dynamic loss scaling, enabled only for fp16 (bf16 has fp32's exponent range)."""
-    scaler = HalfWeightsGradScaler if precision_mode == "full" else torch.amp.GradScaler
-    return scaler(torch.device(device).type, enabled=precision == "fp16")
+def build_grad_scaler(policy: PrecisionPolicy) -> torch.amp.GradScaler:
+    """Dynamic loss scaling, enabled only where the policy scales the loss (fp16)."""
+    scaler = HalfWeightsGradScaler if policy.weights == "low_precision" else torch.amp.GradScaler
+    return scaler(torch.device(policy.device).type, enabled=policy.loss_scaling)
 
 
 def to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -177,18 +170,14 @@ def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
-def apply_precision(
-    model: nn.Module, precision: str, precision_mode: str, fsdp_mixed_precision: bool = False
-) -> LowPrecisionWeights | None:
-    """Give ``model`` the weights its precision mode computes with: O2, a low-precision copy (returned:
+def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> LowPrecisionWeights | None:
+    """Give ``model`` the weights its precision policy computes with: O2, a low-precision copy (returned:
     its ``compute`` module is the one that runs); full, the model itself cast in place; otherwise (and
     under FSDP2, whose mixed-precision policy is O2) nothing to do."""
-    if precision not in LOW_PRECISION_DTYPES:
-        return None
-    if precision_mode == "o2" and not fsdp_mixed_precision:
-        return LowPrecisionWeights(model, LOW_PRECISION_DTYPES[precision])
-    if precision_mode == "full":
-        to_compute_dtype(model, LOW_PRECISION_DTYPES[precision])  # in place: the parameters stay the same objects
+    if policy.weights == "low_precision_copy":
+        return LowPrecisionWeights(model, policy.compute_dtype)
+    if policy.weights == "low_precision":
+        to_compute_dtype(model, policy.compute_dtype)  # in place: the parameters stay the same objects
     return None
 
 
@@ -206,35 +195,29 @@ class TrainStep:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
-        precision: str,
-        device: str,
+        policy: PrecisionPolicy,
         label_smoothing: float,
         grad_clip: float | None,
-        precision_mode: str = "autocast",
         *,
         micro_batch: int | None = None,
         low_precision: LowPrecisionWeights | None = None,
         forward_module: nn.Module | None = None,
         agree_on_skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.precision, self.device = precision, device
-        self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
-        low = precision in LOW_PRECISION_DTYPES
-        fsdp_mixed_precision = precision_mode == "o2" and low and hasattr(model, "unshard")
-        if (low_precision is not None) != (precision_mode == "o2" and low and not fsdp_mixed_precision):
+        if (low_precision is not None) != (policy.weights == "low_precision_copy"):
             raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
+        self.model, self.optimizer, self.scaler, self.policy = model, optimizer, scaler, policy
+        self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
         self.low_precision = low_precision
-        # "full": the model itself holds low-precision weights, no master copy
-        self.full_dtype = LOW_PRECISION_DTYPES[precision] if precision_mode == "full" and low else None
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
-        self.autocast = not fsdp_mixed_precision  # FSDP2: its mixed-precision policy computes in low precision
-        self.forward_module = forward_module or (low_precision.compute if low_precision else model)
+        if forward_module is None:
+            forward_module = low_precision.compute if low_precision is not None else model
+        self.forward_module = forward_module
         self.micro_batch = micro_batch
         self.batchnorm = BatchNormStatistics(model)
         self.device_skip = supports_device_skip(optimizer)
         self.agree_on_skip = agree_on_skip or (lambda flag: flag)
-        self.skipped = torch.zeros((), device=device)
+        self.skipped = torch.zeros((), device=policy.device)
 
     def optimizer_context(self) -> contextlib.AbstractContextManager:
         """Sharded parameters are DTensors; plain tensors beside them (the norms and embeddings tensor
@@ -258,11 +241,9 @@ class TrainStep:
                 param.grad = None
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self.low_precision is not None:
-            return self.forward_module(images.to(self.low_precision.dtype))
-        if self.full_dtype is not None:
-            return self.forward_module(images.to(self.full_dtype))
-        with autocast_context(self.precision if self.autocast else "fp32", self.device):
+        if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
+            return self.forward_module(images.to(self.policy.compute_dtype))
+        with self.policy.training_context():
             return self.forward_module(images)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

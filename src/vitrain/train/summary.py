@@ -6,23 +6,39 @@ import json
 from typing import Any
 
 from vitrain.checkpoint.manager import write_file_atomic
-from vitrain.config import Plan
+from vitrain.config import SchedulePlan
 from vitrain.metrics import run_environment
 from vitrain.models import num_parameters
+from vitrain.precision import PrecisionPolicy
 from vitrain.train.build import Run
 
 
-def describe_length(plan: Plan) -> str:
+def describe_length(schedule: SchedulePlan) -> str:
     """The run's length in words, e.g. ``2106 steps (9.00 epochs)`` or ``a 600 s budget``."""
-    if plan.duration_unit == "seconds":
-        text = f"a {plan.run_length:g} s training budget"
+    if schedule.duration_unit == "seconds":
+        text = f"a {schedule.run_length:g} s training budget"
     else:
-        steps = plan.total_steps
-        text = f"{steps} steps ({plan.epochs:.2f} epochs)" if steps is not None else f"{plan.epochs:.2f} epochs"
-    if len(plan.stages) > 1:
-        sizes = "->".join(str(stage.image_size) for stage in plan.stages)
+        steps = schedule.total_steps
+        text = f"{steps} steps ({schedule.epochs:.2f} epochs)" if steps is not None else f"{schedule.epochs:.2f} epochs"
+    if len(schedule.stages) > 1:
+        sizes = "->".join(str(stage.image_size) for stage in schedule.stages)
         text += f", image sizes {sizes}"
     return text
+
+
+def describe_precision(policy: PrecisionPolicy) -> str:
+    """``bf16 (o2)``, ``fp32``: the precision, and the mode where it is not autocast."""
+    return policy.dtype + (f" ({policy.mode})" if policy.mode != "autocast" else "")
+
+
+def describe_start(run: Run) -> str:
+    """The run's first log line: model, size, length, batch, LR, precision, device and folder."""
+    plan = run.plan
+    return (
+        f"{plan.model.name}: {num_parameters(run.model) / 1e6:.2f}M params, {describe_length(plan.schedule)} at batch "
+        f"{plan.batch.global_batch}, lr {plan.schedule.lr:.3g}, {describe_precision(plan.precision)} on "
+        f"{plan.device} -> {plan.out_dir}"
+    )
 
 
 def write_summary(
@@ -35,13 +51,13 @@ def write_summary(
 ) -> dict[str, Any]:
     state, plan = run.state, run.plan
     summary = {
-        "model": plan.config.model.name,
+        "model": plan.model.name,
         "num_params": num_parameters(run.model),
         "recipe": plan.config.recipe,
         "device": plan.device,
-        "precision": plan.precision,
-        "precision_mode": plan.precision_mode,
-        "epochs": state.epoch_position(plan.num_train),
+        "precision": plan.precision.dtype,
+        "precision_mode": plan.precision.mode,
+        "epochs": state.epoch_position(plan.schedule.num_train),
         "steps": state.step,
         "world_size": plan.world.size,
         "images_seen": state.images_seen,

@@ -1,0 +1,285 @@
+"""A resolved run: a :class:`Plan` made of small frozen parts, each handed to the component that uses it.
+
+:func:`~vitrain.config.resolve.resolve` makes every part; outside :mod:`vitrain.config` nothing reads
+the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml``, the summary).
+
+- :class:`ModelPlan` -> the model build; :class:`BatchPlan` -> every batch size, per process included;
+- :class:`~vitrain.precision.PrecisionPolicy` -> step, optimizer, parallelism, evaluation;
+- :class:`ParallelPlan` -> ``parallelize``; :class:`OptimizerPlan` -> ``build_optimizer``;
+- :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders;
+- :class:`StepPlan`, :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
+  process and model conversions, the loop, the checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from vitrain.config.schema import Config, DataConfig
+
+if TYPE_CHECKING:
+    from vitrain.precision import PrecisionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A stretch of the run at one image size and batch size (the curriculum is a tuple of them)."""
+
+    image_size: int
+    batch_size: int
+    lr_scale: float = 1.0
+    until: float | None = None
+    """Ends when this fraction of the run is done (None: no fraction limit)."""
+    until_epoch: float | None = None
+    """Ends at this epoch (None: no epoch limit)."""
+
+    def covers(self, progress: float, epoch: float) -> bool:
+        if self.until is not None and progress >= self.until:
+            return False
+        return self.until_epoch is None or epoch < self.until_epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place among the processes of a run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    tp_size: int = 1
+    """Processes per tensor-parallel group (set by resolve); they see the same data."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of every global batch this process takes (tensor-parallel peers share one)."""
+        return self.rank // self.tp_size
+
+    @property
+    def data_size(self) -> int:
+        """Number of distinct data slices: processes over the tensor-parallel degree."""
+        return self.size // self.tp_size
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> World:
+        import os
+
+        env = os.environ if environ is None else environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """The model to build (``model.*`` with the data's shape)."""
+
+    name: str
+    options: dict[str, Any]
+    """The model.* options as model arguments (unset ones None)."""
+    image_size: int
+    in_chans: int
+    num_classes: int
+    patch_size: int
+    """The model's input stride (patch size; VOLO's patch x downsampling)."""
+    choose_attention: bool
+    """model.attn_impl=auto: each attention shape takes the faster implementation, measured at build."""
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """Keyword arguments of ``vitrain.models.build_model`` besides the name."""
+        return {"img_size": self.image_size, "in_chans": self.in_chans, "num_classes": self.num_classes, **self.options}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """Every batch size of the run. Batches are global (all processes together); each data slice takes an
+    equal share (resolve checked that they split), computed here alone."""
+
+    global_batch: int
+    """train.batch_size: images per optimizer step (the final stage's)."""
+    eval_batch: int
+    """Images per evaluation batch (train.eval_batch_size, or twice the training batch)."""
+    micro_batch: int | None
+    """Images per forward/backward on each process (train.micro_batch_size; None: its whole share)."""
+    data_slices: int
+    """Processes with distinct data (tensor-parallel peers share one slice)."""
+
+    def per_process(self, global_batch: int) -> int:
+        """This process's share of a global batch."""
+        return global_batch // self.data_slices
+
+    def global_of(self, per_process: int) -> int:
+        """The global batch whose share is ``per_process``."""
+        return per_process * self.data_slices
+
+    @property
+    def eval_per_process(self) -> int:
+        return self.per_process(self.eval_batch)
+
+    def forward_batches(self, global_batch: int) -> list[int]:
+        """Images per forward pass at a global batch: the micro-batch, and the smaller last piece when the
+        share does not divide into micro-batches."""
+        share = self.per_process(global_batch)
+        micro = min(self.micro_batch or share, share)
+        return [micro] + ([share % micro] if share % micro else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """How ``parallelize`` spreads the model over the processes and what it applies to it."""
+
+    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"]
+    world: World
+    device: str
+    activation_checkpointing: int | Literal["all"]
+    """Blocks whose activations are recomputed in the backward (all: every one; 0: none)."""
+    compile: bool
+    compile_backend: str
+    compile_scope: Literal["blocks", "model"] = "blocks"
+    """blocks: each block compiled (training); model: the whole module (``vitrain bench --compile``)."""
+    fsdp_reshard: Literal["zero2", "zero3"] = "zero3"
+    fsdp_cpu_offload: bool = False
+
+    @property
+    def shards_model(self) -> bool:
+        """FSDP and/or tensor parallelism over several processes: the parameters become DTensors."""
+        return self.world.size > 1 and self.strategy != "ddp"
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the model (fsdp or fsdp+tp over several processes)."""
+        return self.shards_model and "fsdp" in self.strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """The optimizer (``optim.*``) with its peak LR scaled to the global batch."""
+
+    name: Literal["adamw", "sgd", "lamb", "muon"]
+    implementation: Literal["auto", "fused", "foreach", "for-loop"]
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    momentum: float
+    muon_momentum: float
+    ns_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulePlan:
+    """The run's length, LR schedule and curriculum stages."""
+
+    lr: float
+    """Peak LR (optim.lr scaled to the global batch)."""
+    name: Literal["cosine", "constant"]
+    warmup_start: float
+    min_lr_ratio: float
+    duration_unit: Literal["steps", "samples", "seconds"]
+    """What measures the run's length: optimizer steps, images, or training seconds (train.budget)."""
+    run_length: float
+    """Length of the run in its duration unit."""
+    warmup: float
+    """Warmup length: in steps when the run is measured in steps, otherwise in images."""
+    steps_per_epoch: int
+    """Optimizer steps per epoch at train.batch_size (the final stage's batch)."""
+    num_train: int
+    """Training images per epoch."""
+    stages: tuple[Stage, ...]
+    """Curriculum stages in order; the last is the final one (data.image_size, train.batch_size)."""
+    total_steps: int | None
+    """Optimizer steps of the whole run, when known before it runs."""
+    epochs: float | None
+    """Epochs of the whole run, when known before it runs."""
+
+    def stage_at(self, progress: float, epoch: float) -> Stage:
+        """The stage for a run ``progress`` (fraction done) and ``epoch`` (fractional)."""
+        return next((stage for stage in self.stages if stage.covers(progress, epoch)), self.stages[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPlan:
+    """What the loaders need: the data.* settings and the facts resolve derived for them."""
+
+    source: DataConfig
+    """The data.* settings as validated: source, limits, augmentation, decoding, workers."""
+    in_chans: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    seed: int
+    device: str
+    world: World
+    batch: BatchPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The loss and update settings of the training step besides precision and batch."""
+
+    label_smoothing: float
+    grad_clip: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimePlan:
+    """How this process runs the model: host memory, fused CPU kernels, memory layout."""
+
+    host_allocator: Literal["cached", "system"]
+    cpu_kernels: Literal["auto", "fused", "native"]
+    channels_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """How the loop evaluates, logs and stops."""
+
+    eval_every_epochs: int
+    log_every_steps: int
+    max_skipped_steps: int
+    progress: bool | Literal["auto"]
+    init_from: Path | None
+    """Fine-tune from this checkpoint's model weights (train.init_from)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """Where and when the run checkpoints, and where ``--resume auto`` looks."""
+
+    format: Literal["file", "sharded"]
+    keep_last: int
+    every_epochs: int
+    every_steps: int = 0
+    """Also checkpoint at every multiple of this many steps (0: off)."""
+    every_s: float = 0.0
+    """Also checkpoint when this many wall-clock seconds have passed since the last one (0: off)."""
+    sibling_runs: str | None = None
+    """A glob of this recipe's run folders when train.out_dir holds {time}: ``--resume auto`` takes the
+    newest checkpoint among them; None: only this run's folder."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A resolved run: its parts and the config it came from. Immutable."""
+
+    config: Config
+    """The config as given: recorded (checkpoints, config.yaml, summary), never read to run."""
+    device: str
+    out_dir: Path
+    seed: int
+    world: World
+    """The processes sharing the run; batches are global, each data slice takes its share."""
+    model: ModelPlan
+    batch: BatchPlan
+    precision: PrecisionPolicy
+    parallel: ParallelPlan
+    optim: OptimizerPlan
+    schedule: SchedulePlan
+    data: DataPlan
+    step: StepPlan
+    runtime: RuntimePlan
+    loop: LoopPlan
+    checkpoint: CheckpointPlan
