@@ -26,7 +26,7 @@ from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.config import Config, build_config
 from vitrain.train import make_plan
-from vitrain.train.loop import build_training_step
+from vitrain.train.build import build_training_step
 
 
 def _separate_add_layer_norm(x, branch, norm):  # noqa: ANN001, ANN202

@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from vitrain.bench import window_ms
+from vitrain.config import precision_policy
 from vitrain.models import build_model
 from vitrain.train.skips import SkipCounter
 from vitrain.train.step import TrainStep, build_grad_scaler
@@ -33,7 +34,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(args.model, img_size=args.image_size, in_chans=1, num_classes=10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step = TrainStep(model, optimizer, build_grad_scaler("fp32", "cpu"), "fp32", "cpu", 0.1, 1.0)
+    policy = precision_policy("fp32", "autocast", "cpu")
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.1, 1.0)
     images, labels = torch.randn(args.batch, 1, args.image_size, args.image_size), torch.randint(10, (args.batch,))
     loss, grad_norm = step(images, labels)
     counter = SkipCounter("cpu")

@@ -18,8 +18,9 @@ import time
 
 import torch
 
+from vitrain.config import precision_policy
 from vitrain.models import build_model
-from vitrain.train.step import TrainStep, build_grad_scaler
+from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -35,16 +36,9 @@ def measure(name: str, overrides: dict, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = build_model(name, img_size=args.image_size, in_chans=args.in_chans, num_classes=10, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    step = TrainStep(
-        model,
-        optimizer,
-        build_grad_scaler(args.precision, "cpu"),
-        args.precision,
-        "cpu",
-        0.1,
-        1.0,
-        args.precision_mode,
-    )
+    policy = precision_policy(args.precision, args.precision_mode, "cpu")
+    low_precision = apply_precision(model, policy)
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.1, 1.0, low_precision=low_precision)
     images = torch.randn(args.batch, args.in_chans, args.image_size, args.image_size)
     labels = torch.randint(10, (args.batch,))
     for _ in range(args.warmup):
