@@ -13,21 +13,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vitrain.config.plan import (
-    BatchPlan,
-    CheckpointPlan,
-    DataPlan,
-    LoopPlan,
-    ModelPlan,
-    OptimizerPlan,
-    ParallelPlan,
-    Plan,
-    RuntimePlan,
-    SchedulePlan,
-    Stage,
-    StepPlan,
-    World,
-)
+from vitrain.config import plan as parts
+from vitrain.config.plan import Plan, Stage, World
 from vitrain.config.schema import Config, ConfigError, ModelConfig
 
 if TYPE_CHECKING:
@@ -435,8 +422,8 @@ def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False)
     )
 
 
-def _model_plan(config: Config, data: DatasetInfo, patch: int) -> ModelPlan:
-    return ModelPlan(
+def _model_plan(config: Config, data: DatasetInfo, patch: int) -> parts.ModelPlan:
+    return parts.ModelPlan(
         name=config.model.name,
         options=model_overrides(config.model),
         image_size=config.data.image_size,
@@ -447,9 +434,9 @@ def _model_plan(config: Config, data: DatasetInfo, patch: int) -> ModelPlan:
     )
 
 
-def _parallel_plan(config: Config, world: World, device: str) -> ParallelPlan:
+def _parallel_plan(config: Config, world: World, device: str) -> parts.ParallelPlan:
     train, parallel = config.train, config.parallel
-    return ParallelPlan(
+    return parts.ParallelPlan(
         strategy=parallel.strategy,
         world=world,
         device=device,
@@ -461,9 +448,9 @@ def _parallel_plan(config: Config, world: World, device: str) -> ParallelPlan:
     )
 
 
-def _optimizer_plan(config: Config, lr: float) -> OptimizerPlan:
+def _optimizer_plan(config: Config, lr: float) -> parts.OptimizerPlan:
     optim = config.optim
-    return OptimizerPlan(
+    return parts.OptimizerPlan(
         name=optim.name,
         implementation=optim.implementation,
         lr=lr,
@@ -483,7 +470,7 @@ def _schedule_plan(
     duration: tuple[str, float, float],
     num_train: int,
     stages: tuple[Stage, ...],
-) -> SchedulePlan:
+) -> parts.SchedulePlan:
     """The LR schedule over the run's length, with the steps and epochs it lasts when known in advance."""
     unit, length, warmup = duration
     batch = config.train.batch_size
@@ -495,7 +482,7 @@ def _schedule_plan(
         if len({stage.batch_size for stage in stages}) == 1:
             total_steps = math.ceil(length / batch)
     schedule = config.schedule
-    return SchedulePlan(
+    return parts.SchedulePlan(
         lr=lr,
         name=schedule.name,
         warmup_start=schedule.warmup_start,
@@ -511,9 +498,9 @@ def _schedule_plan(
     )
 
 
-def _checkpoint_plan(config: Config, checkpoint_format: str) -> CheckpointPlan:
+def _checkpoint_plan(config: Config, checkpoint_format: str) -> parts.CheckpointPlan:
     checkpoint, template = config.checkpoint, config.train.out_dir
-    return CheckpointPlan(
+    return parts.CheckpointPlan(
         format=checkpoint_format,
         keep_last=checkpoint.keep_last,
         every_epochs=checkpoint.every_epochs,
@@ -523,14 +510,14 @@ def _checkpoint_plan(config: Config, checkpoint_format: str) -> CheckpointPlan:
     )
 
 
-def _training_parts(config: Config) -> tuple[StepPlan, RuntimePlan, LoopPlan]:
+def _training_parts(config: Config) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     return (
-        StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip),
-        RuntimePlan(
+        parts.StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip),
+        parts.RuntimePlan(
             host_allocator=train.host_allocator, cpu_kernels=train.cpu_kernels, channels_last=train.channels_last
         ),
-        LoopPlan(
+        parts.LoopPlan(
             eval_every_epochs=train.eval_every_epochs,
             log_every_steps=train.log_every_steps,
             max_skipped_steps=train.max_skipped_steps,
@@ -557,7 +544,7 @@ def resolve(
     duration = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
     stages = _resolve_stages(config, patch, data.num_train)
-    batch = BatchPlan(
+    batch = parts.BatchPlan(
         global_batch=config.train.batch_size,
         eval_batch=config.train.eval_batch_size or 2 * config.train.batch_size,
         micro_batch=config.train.micro_batch_size,
@@ -579,7 +566,7 @@ def resolve(
         parallel=parallel,
         optim=_optimizer_plan(config, lr),
         schedule=_schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages),
-        data=DataPlan(config.data, data.channels, mean, std, config.train.seed, device, world, batch),
+        data=parts.DataPlan(config.data, data.channels, mean, std, config.train.seed, device, world, batch),
         step=step,
         runtime=runtime,
         loop=loop,
