@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vitrain import kernels
 from vitrain.metrics.records import run_environment
 from vitrain.models.layers import Attention
 from vitrain.train.step import LOW_PRECISION_DTYPES, autocast_context
@@ -67,6 +68,8 @@ def time_attention(impl: str, shape: Shape, batch: int, precision: str, mode: st
     dtype = LOW_PRECISION_DTYPES.get(precision, torch.float32) if mode in ("o2", "full") else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     module = Attention(width, heads, impl=impl, device=device, dtype=dtype)
+    if kernels.wanted(device, precision):  # as the run will convert its model
+        kernels.convert(module)
     x = torch.randn(batch, tokens, width, device=device, dtype=dtype, generator=generator, requires_grad=True)
     context = autocast_context(precision, device) if mode == "autocast" else contextlib.nullcontext()
 

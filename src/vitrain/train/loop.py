@@ -166,15 +166,25 @@ class Run:
         self.eval_loader.bad_images.load_state_dict(bad_images.get("eval", {}))
 
 
+def apply_cpu_kernels(model: nn.Module, plan: Plan) -> bool:
+    """Convert ``model`` to the fused CPU kernels (:func:`vitrain.kernels.convert`) where the run wants
+    them (:func:`vitrain.kernels.wanted`: bf16 on CPU, ``train.cpu_kernels`` not ``native``, the
+    extension built or loaded from the cache before any clock starts). Returns whether it did."""
+    if not kernels.wanted(plan.device, plan.precision):
+        return False
+    kernels.paths()  # where they will apply: probed once, before any clock
+    kernels.convert(model)
+    return True
+
+
 def build_training_step(plan: Plan) -> TrainStep:
     """Seeded model, optimizer, schedule, scaler and the step that holds them (training and bench)."""
     configure_host_allocator(plan.config.train.host_allocator)  # before the step's first allocations
     kernels.set_mode(plan.config.train.cpu_kernels)
     cpu_features.warn_if_bf16_emulated(plan.device, plan.precision)
-    if plan.device == "cpu" and plan.precision == "bf16" and plan.precision_mode != "autocast":
-        kernels.paths()  # where they will apply: build (or load the cached build) and probe before any clock
     torch.manual_seed(plan.config.train.seed)
     model = build_model_for(plan)
+    apply_cpu_kernels(model, plan)
     if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
         model.to(memory_format=torch.channels_last)
     sharded = plan.shards_model
