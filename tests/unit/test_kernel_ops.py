@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._dynamo import register_backend
 
 from vitrain import kernels
 from vitrain.models import build_model
@@ -142,3 +143,45 @@ def test_convert_swaps_only_what_runs_the_kernels_and_keeps_the_state():
     assert type(mlp.se.fc1) is nn.Linear and type(mlp.depthwise).__name__ == "FusedDepthwiseConv2d"
     assert type(model.blocks[0].attn.qkv).__name__ == "FusedLinear"
     assert type(model.blocks).__name__ == "ChainedBlocks"
+
+
+KERNEL_GRAPH_OPS: set[str] = set()
+
+
+@register_backend
+def kernel_recording_backend(graph_module, example_inputs):
+    """Runs dynamo's graph as captured (no AOT, no inductor), noting the vitrain ops it calls."""
+    KERNEL_GRAPH_OPS.update(str(node.target) for node in graph_module.graph.nodes if "vitrain" in str(node.target))
+    return graph_module.forward
+
+
+def test_compiled_o2_training_with_the_kernels_equals_eager(built, small_synthetic_overrides, tmp_path):
+    """``train.compile`` on a bf16 O2 run: the compiled blocks call the registered ops (before, compiled
+    regions stepped aside to PyTorch's ops) and train to bitwise the eager run's weights."""
+    from tests.conftest import make_config
+    from vitrain.checkpoint import load_checkpoint
+    from vitrain.train import make_plan, train
+
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    KERNEL_GRAPH_OPS.clear()
+    overrides = [*small_synthetic_overrides, "precision=bf16", "precision_mode=o2", "model.attn_impl=matmul"]
+    overrides += ["train.steps=4", "model.name=locality_vit_tiny6_patch7"]
+    eager = make_plan(make_config(*overrides, f"train.out_dir={tmp_path / 'eager'}"))
+    backend = "train.compile_backend=kernel_recording_backend"
+    compiled = make_plan(make_config(*overrides, "train.compile=true", backend, f"train.out_dir={tmp_path / 'c'}"))
+    try:
+        train(eager)
+        train(compiled)
+    finally:
+        torch._dynamo.reset()
+    assert {
+        "vitrain.layer_norm.default",
+        "vitrain.locality_front.default",
+        "vitrain.linear.default",
+    } <= KERNEL_GRAPH_OPS
+    final = "checkpoints/step-000000004.pt"
+    ours = load_checkpoint(compiled.out_dir / final)["model"]
+    reference = load_checkpoint(eager.out_dir / final)["model"]
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[key], reference[key]) for key in reference)
