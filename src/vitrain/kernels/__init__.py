@@ -1,8 +1,8 @@
 """Fused CPU kernels for bf16 training, applied to a plain model from outside by :func:`convert`.
 
-- ``build``: the C++ extension (``cpu.cpp``, ``attention.cpp``, ``weight_gradient.cpp``), compiled on
-  first use for the host's vector ISA and cached by torch; the fallback to PyTorch's ops when it cannot
-  be built, and which fused paths this CPU takes (:func:`paths`);
+- ``build``: the C++ extension (one source per op family, ``kernels.h`` declaring what ``module.cpp``
+  binds), compiled on first use for the host's vector ISA and cached by torch; the fallback to PyTorch's
+  ops when it cannot be built, and which fused paths this CPU takes (:func:`paths`);
 - one module per op family, each registering its ops with ``torch.library.custom_op`` (namespace
   ``vitrain``: typed, keyword arguments, named results, fake and autograd implementations, so that
   ``torch.compile`` traces through them) and a function that runs the op where it applies and PyTorch's

@@ -25,8 +25,19 @@ from vitrain import cpu_features
 log = logging.getLogger("vitrain")
 
 Mode = Literal["auto", "fused", "native"]
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "weight_gradient.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "tiles.h")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "module.cpp",
+        "layer_norm.cpp",
+        "gelu.cpp",
+        "linear.cpp",
+        "weight_gradient.cpp",
+        "depthwise.cpp",
+        "attention.cpp",
+    )
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "common.h", "tiles.h")]
 
 _mode: Mode = "auto"
 _module: ModuleType | None = None

@@ -1,6 +1,6 @@
 """Depthwise 3x3 convolutions (stride 1, zero padding 1) on channels-last bf16 images, and the locality
 FFN's front (fc1, the depthwise convolution over the patch rows, h-swish) as one op:
-``vitrain::depthwise_conv3x3``, ``vitrain::locality_front`` and their backward ops (``cpu.cpp``).
+``vitrain::depthwise_conv3x3``, ``vitrain::locality_front`` and their backward ops (``depthwise.cpp``).
 
 The forward convolution is PyTorch's (oneDNN's); the backward is the fused kernel: 7.3 against 12.6 ms
 for 32 x 1536 x 14 x 14 (19.8 ms in a locality ViT-S step, where the input is a view that skips the CLS
