@@ -22,7 +22,7 @@ from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.config import Config, build_config
 from vitrain.train import make_plan
-from vitrain.train.loop import build_training_step
+from vitrain.train.build import build_training_step
 
 ARMS = {
     "kernels": ["train.cpu_kernels=auto", "train.compile=false"],

@@ -23,12 +23,12 @@ import statistics
 import time
 
 from vitrain import kernels
-from vitrain.kernels import converter, depthwise, linear
 from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.config import Config, build_config
+from vitrain.kernels import converter, depthwise, linear
 from vitrain.train import make_plan
-from vitrain.train.loop import build_training_step
+from vitrain.train.build import build_training_step
 
 
 def _separate_add_layer_norm(x, branch, norm):  # noqa: ANN001, ANN202

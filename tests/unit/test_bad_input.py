@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vitrain.cli import main
-from vitrain.train import loop
+from vitrain.train import build, loop
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +16,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started before the input was checked")
 
     monkeypatch.setattr(loop, "build_run", refuse)
-    monkeypatch.setattr(loop, "build_model_for", refuse)
+    monkeypatch.setattr(build, "build_model_for", refuse)
 
 
 def _train(tmp_path, *overrides, resume=None):

@@ -14,10 +14,11 @@ from torch._dynamo import register_backend
 
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
+from vitrain.checkpoint.rng import capture_rng_state
 from vitrain.metrics import read_jsonl
 from vitrain.train import make_plan, train
-from vitrain.train.loop import Trainer, build_run, forward_shapes, warm_up_compiled_shapes
-from vitrain.train.state import capture_rng_state
+from vitrain.train.build import build_run, forward_shapes, warm_up_compiled_shapes
+from vitrain.train.loop import Trainer
 
 COMPILED: collections.Counter = collections.Counter()
 

@@ -13,7 +13,7 @@ from vitrain.cli import main
 from vitrain.config import ConfigError
 from vitrain.models import load_pretrained, resample_pos_embed
 from vitrain.train import make_plan, train
-from vitrain.train.loop import apply_init_from, build_run
+from vitrain.train.build import apply_init_from, build_run
 
 
 @pytest.fixture

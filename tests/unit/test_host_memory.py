@@ -17,7 +17,7 @@ _PROBE = """
 import json, resource, sys, torch
 from vitrain.config import Config, build_config
 from vitrain.train import make_plan
-from vitrain.train.loop import build_training_step
+from vitrain.train.build import build_training_step
 overrides = ["data.name=synthetic", "model.name=vit_tiny6_patch7", "data.image_size=14", "train.batch_size=4",
              "precision=fp32"]
 for policy in sys.argv[1:]:  # one training step built per policy, in this order

@@ -219,7 +219,7 @@ def test_vit_chains_its_blocks_residual_sums_into_the_next_norm(built):
 def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
     """Five O2 AdamW steps of a small ViT with the fused LayerNorms and with PyTorch's: the losses
     agree to bf16 training noise, and the fused path really ran."""
-    from vitrain.train.step import TrainStep, build_grad_scaler
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def losses_for(mode):
         kernels.set_mode(mode)
@@ -227,7 +227,8 @@ def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         kernels.convert(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
-        step = TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu", "o2"), "bf16", "cpu", 0.0, 1.0, "o2")
+        scaler, low_precision = build_grad_scaler("bf16", "cpu", "o2"), apply_precision(model, "bf16", "o2")
+        step = TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, "o2", low_precision=low_precision)
         names = []
         hooks = [
             m.register_forward_hook(lambda module, args, out: names.append(out.grad_fn.name()))
@@ -668,7 +669,7 @@ def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
     """Five O2 AdamW steps of a small ViT with 32-wide heads and attn_impl=matmul: with the kernel
     (every block's attention through it) and without (MatmulAttention), the losses agree to bf16
     training noise."""
-    from vitrain.train.step import TrainStep, build_grad_scaler
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     if not _amx(built):
         pytest.skip("no AMX-BF16 here: the attention kernel does not run in training")
@@ -679,7 +680,8 @@ def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
             "vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=96, attn_impl="matmul"
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
-        step = TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu", "o2"), "bf16", "cpu", 0.0, 1.0, "o2")
+        scaler, low_precision = build_grad_scaler("bf16", "cpu", "o2"), apply_precision(model, "bf16", "o2")
+        step = TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, "o2", low_precision=low_precision)
         calls = []
 
         def attention(*args):

@@ -91,14 +91,15 @@ def test_non_finite_loss_stops_with_step_and_hint(small_synthetic_overrides, cap
 
 def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
     from vitrain.models import build_model
-    from vitrain.train.step import TrainStep, build_grad_scaler
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def step_for(mode):
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scaler = build_grad_scaler("bf16", "cpu")
-        return model, TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode)
+        low_precision = apply_precision(model, "bf16", mode)
+        return model, TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode, low_precision=low_precision)
 
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     o1_model, o1_step = step_for("autocast")
@@ -124,14 +125,15 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
     master copy), and its weights, gradients and scaler are where the policy says. eps 1e-3: fp16
     weights need eps >= 1e-4 (config refuses less, see test_fp16_full_refuses_an_adam_eps_that_underflows)."""
     from vitrain.models import build_model
-    from vitrain.train.step import TrainStep, build_grad_scaler
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def losses_for(precision, mode):
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
         scaler = build_grad_scaler(precision, "cpu", mode)
-        step = TrainStep(model, optimizer, scaler, precision, "cpu", 0.0, 1.0, mode)
+        low_precision = apply_precision(model, precision, mode)
+        step = TrainStep(model, optimizer, scaler, precision, "cpu", 0.0, 1.0, mode, low_precision=low_precision)
         torch.manual_seed(1)
         images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
         return [step(images, labels)[0].item() for _ in range(5)], model, step
@@ -151,13 +153,14 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
 
 def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
     from vitrain.models import build_model
-    from vitrain.train.step import TrainStep, build_grad_scaler
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def run(mode):
         torch.manual_seed(0)
         model = build_model("localvit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, mode)
+        scaler, low_precision = build_grad_scaler("bf16", "cpu"), apply_precision(model, "bf16", mode)
+        step = TrainStep(model, optimizer, scaler, "bf16", "cpu", 0.0, 1.0, mode, low_precision=low_precision)
         torch.manual_seed(1)
         for _ in range(3):
             step(torch.randn(8, 1, 14, 14) + 2.0, torch.randint(4, (8,)))
@@ -189,7 +192,7 @@ def test_model_options_from_the_config_reach_the_model(small_synthetic_overrides
 
 def test_channels_last_converts_model_and_input_and_trains_the_same(small_synthetic_overrides):
     from vitrain.bench.throughput import synthetic_batch
-    from vitrain.train.loop import build_training_step
+    from vitrain.train.build import build_training_step
 
     def two_steps(channels_last):
         plan = make_plan(
@@ -212,7 +215,7 @@ def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides)
     and the same losses over three steps (weights are not compared after AdamW: it normalizes the
     float noise of gradients that are zero in exact arithmetic, such as the key bias's)."""
     from vitrain.bench.throughput import synthetic_batch
-    from vitrain.train.loop import build_training_step
+    from vitrain.train.build import build_training_step
 
     def train_steps(*extra):
         plan = make_plan(make_config(*small_synthetic_overrides, *extra))
@@ -229,3 +232,18 @@ def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides)
         assert losses == pytest.approx(reference_losses, rel=1e-5)
         for name in reference:
             assert torch.allclose(gradients[name], reference[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_an_o2_step_refuses_to_run_without_its_low_precision_copy():
+    from vitrain.models import build_model
+    from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
+
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="low-precision copy"):
+        TrainStep(model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, "o2")
+    copy = apply_precision(model, "bf16", "o2")
+    with pytest.raises(ValueError, match="low-precision copy"):
+        TrainStep(
+            model, optimizer, build_grad_scaler("bf16", "cpu"), "bf16", "cpu", 0.0, 1.0, "autocast", low_precision=copy
+        )

@@ -34,7 +34,7 @@ from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
 from vitrain.parallel.parallelize import apply_block_compile
 from vitrain.train.attention_probe import attention_impl
-from vitrain.train.loop import build_training_step
+from vitrain.train.build import build_training_step
 
 log = logging.getLogger("vitrain")
 

@@ -1,6 +1,7 @@
-"""Changes applied to a built model from outside (STYLE.md §1.3): activation checkpointing now;
-tensor parallelism, compile and FSDP2/DDP come in this order with the scale-out work."""
+"""Changes applied to a built model from outside (STYLE.md §1.3): :func:`parallelize` applies tensor
+parallelism, activation checkpointing, compile and FSDP2 or DDP, in this order."""
 
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from vitrain.parallel.parallelize import parallelize
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "parallelize"]

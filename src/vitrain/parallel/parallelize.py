@@ -1,5 +1,6 @@
-"""Sharding a built model over the processes of a run, from outside the model (STYLE.md §1.3), in
-torchtitan's order: tensor parallelism -> activation checkpointing -> compile -> FSDP2.
+"""Parallelizing a built model over the processes of a run, from outside the model (STYLE.md §1.3):
+:func:`parallelize`, in torchtitan's order: tensor parallelism -> activation checkpointing -> compile ->
+FSDP2 or DDP.
 
 - **Mesh.** One named device mesh: ``("dp",)`` for fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
   fsdp+tp (tensor-parallel peers are adjacent ranks, so on a cluster they share a node).
@@ -14,6 +15,11 @@ torchtitan's order: tensor parallelism -> activation checkpointing -> compile ->
   state are sharded over "dp"; zero3 frees gathered block parameters after the forward, zero2 keeps
   them for the backward. precision_mode=o2 becomes FSDP's mixed-precision policy (blocks compute with
   bf16 parameters gathered from the fp32 shards, gradients reduced in fp32).
+- **DDP** (ddp over several processes): torch's ``DistributedDataParallel`` around the module that
+  runs; the model and its state-dict keys stay unwrapped. Not the composable ``replicate``: it hooks
+  the module itself, so evaluation (which calls the model) would go through DDP too; measured on two
+  CPU processes with BatchNorm (localvit), training weights were the same bitwise but the eval loss
+  differed, and DDP warned of mismatched gradient strides.
 
 Weights are initialized in full on every rank from the same seed, then sharded, so a sharded run
 starts from exactly the single-process weights.
@@ -34,6 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from vitrain.config import Plan
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from vitrain.parallel.distributed import wrap_data_parallel
 from vitrain.precision import LOW_PRECISION_DTYPES
 
 log = logging.getLogger("vitrain")
@@ -124,18 +131,24 @@ def apply_block_compile(model: nn.Module, backend: str) -> None:
         block.compile(backend=backend, dynamic=False)
 
 
-def apply_model_parallelism(model: nn.Module, plan: Plan) -> DeviceMesh:
-    """fsdp / tp / fsdp+tp: shard ``model`` in place (TP -> activation checkpointing -> FSDP); returns the mesh."""
-    mesh = build_mesh(plan)
+def parallelize(model: nn.Module, plan: Plan) -> nn.Module:
+    """Apply the plan's parallelism to ``model``, the module that runs forward and backward (under O2
+    its low-precision copy), in this order: tensor parallelism -> activation checkpointing -> compile ->
+    FSDP2 (fsdp, fsdp+tp) or DDP (ddp over several processes). Returns the module each step calls:
+    ``model`` itself, changed in place, or its DDP wrapper."""
     strategy = plan.config.parallel.strategy
-    if "tp" in strategy:
+    mesh = build_mesh(plan) if plan.shards_model else None
+    if mesh is not None and "tp" in strategy:
         apply_tensor_parallel(model, mesh["tp"])
     if plan.config.train.activation_checkpointing:
         apply_activation_checkpointing(model, plan.config.train.activation_checkpointing)
     if plan.config.train.compile:
         apply_block_compile(model, plan.config.train.compile_backend)
-    if "fsdp" in strategy:
-        apply_fsdp(model, mesh["dp"], plan)
-        apply_buffer_sync(model, mesh)
-    log.info("parallel: %s over mesh %s", strategy, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
-    return mesh
+    if mesh is not None:
+        if "fsdp" in strategy:
+            apply_fsdp(model, mesh["dp"], plan)
+            apply_buffer_sync(model, mesh)
+        log.info("parallel: %s over mesh %s", strategy, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
+    elif plan.world.size > 1:
+        return wrap_data_parallel(model, plan.device)
+    return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -177,9 +177,29 @@ def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
+def apply_precision(
+    model: nn.Module, precision: str, precision_mode: str, fsdp_mixed_precision: bool = False
+) -> LowPrecisionWeights | None:
+    """Give ``model`` the weights its precision mode computes with: O2, a low-precision copy (returned:
+    its ``compute`` module is the one that runs); full, the model itself cast in place; otherwise (and
+    under FSDP2, whose mixed-precision policy is O2) nothing to do."""
+    if precision not in LOW_PRECISION_DTYPES:
+        return None
+    if precision_mode == "o2" and not fsdp_mixed_precision:
+        return LowPrecisionWeights(model, LOW_PRECISION_DTYPES[precision])
+    if precision_mode == "full":
+        to_compute_dtype(model, LOW_PRECISION_DTYPES[precision])  # in place: the parameters stay the same objects
+    return None
+
+
 class TrainStep:
     """Callable holding what every step needs; returns the loss and grad norm as device tensors.
-    After each call ``skipped`` is a device flag (float 1.0 or 0.0): the step's update was skipped."""
+    After each call ``skipped`` is a device flag (float 1.0 or 0.0): the step's update was skipped.
+
+    ``low_precision``: O2's copy from :func:`apply_precision`; ``forward_module``: the module each step
+    calls (the model or that copy, possibly wrapped by ``parallelize``); ``micro_batch``: images per
+    forward/backward (gradient accumulation; None: the whole batch at once); ``agree_on_skip``: with
+    several processes, makes every process skip when one does (each sees only its own loss)."""
 
     def __init__(
         self,
@@ -191,28 +211,29 @@ class TrainStep:
         label_smoothing: float,
         grad_clip: float | None,
         precision_mode: str = "autocast",
+        *,
+        micro_batch: int | None = None,
+        low_precision: LowPrecisionWeights | None = None,
+        forward_module: nn.Module | None = None,
+        agree_on_skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.precision, self.device = precision, device
         self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
-        self.low_precision = None
-        self.full_dtype = None  # "full": the model itself holds low-precision weights, no master copy
+        low = precision in LOW_PRECISION_DTYPES
+        fsdp_mixed_precision = precision_mode == "o2" and low and hasattr(model, "unshard")
+        if (low_precision is not None) != (precision_mode == "o2" and low and not fsdp_mixed_precision):
+            raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
+        self.low_precision = low_precision
+        # "full": the model itself holds low-precision weights, no master copy
+        self.full_dtype = LOW_PRECISION_DTYPES[precision] if precision_mode == "full" and low else None
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
-        self.autocast = True
-        if precision_mode == "o2" and precision in LOW_PRECISION_DTYPES and hasattr(model, "unshard"):
-            self.autocast = False  # FSDP2: its mixed-precision policy computes with low-precision weights
-        elif precision_mode == "o2" and precision in LOW_PRECISION_DTYPES:
-            self.low_precision = LowPrecisionWeights(model, LOW_PRECISION_DTYPES[precision])
-        elif precision_mode == "full" and precision in LOW_PRECISION_DTYPES:
-            self.full_dtype = LOW_PRECISION_DTYPES[precision]
-            to_compute_dtype(model, self.full_dtype)  # in place: the optimizer's parameters stay the same objects
-        # the module each step calls: the model or its O2 copy, possibly wrapped (DDP) from outside
-        self.forward_module: nn.Module = self.low_precision.compute if self.low_precision else model
-        self.micro_batch: int | None = None  # gradient accumulation: images per forward/backward
+        self.autocast = not fsdp_mixed_precision  # FSDP2: its mixed-precision policy computes in low precision
+        self.forward_module = forward_module or (low_precision.compute if low_precision else model)
+        self.micro_batch = micro_batch
         self.batchnorm = BatchNormStatistics(model)
         self.device_skip = supports_device_skip(optimizer)
-        # several processes: all must skip alike (each sees only its own loss); set from outside
-        self.agree_on_skip: Callable[[torch.Tensor], torch.Tensor] = lambda flag: flag
+        self.agree_on_skip = agree_on_skip or (lambda flag: flag)
         self.skipped = torch.zeros((), device=device)
 
     def optimizer_context(self) -> contextlib.AbstractContextManager:
@@ -225,9 +246,16 @@ class TrainStep:
         if self.low_precision is not None:
             self.low_precision.push_weights()
 
-    def forward_logits(self, images: torch.Tensor) -> torch.Tensor:
-        """The training forward pass alone (compile warm-up)."""
-        return self._forward(images)
+    def warm_up(self, batches: Iterable[torch.Tensor]) -> None:
+        """Forward and backward of each batch with no gradient reduction across processes and no update,
+        then drop the gradients: compiles the training shapes before the clock starts (``train.compile``)."""
+        for images in batches:
+            with deferred_gradient_sync(self.forward_module):
+                self._forward(images).float().sum().backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        for module in (self.model, self.forward_module):
+            for param in module.parameters():
+                param.grad = None
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.low_precision is not None:

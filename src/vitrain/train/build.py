@@ -1,0 +1,261 @@
+"""Building a training run from its :class:`~vitrain.config.Plan`, in one fixed order.
+
+``build_run`` builds, each stage on what the previous ones made:
+
+1. **model**: seeded, built on the meta device (``model.attn_impl=auto`` chooses attention there),
+   materialized on the run's device and initialized (:func:`build_model_for`);
+2. **converters**: changes applied to the built model from outside: the fused CPU kernels
+   (:func:`vitrain.kernels.convert`) and channels-last weights (:func:`_apply_converters`);
+3. **parallelism**: first the precision policy's weights (O2: a low-precision copy of the model, the
+   module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
+   module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
+4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
+5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
+6. **loaders**: training and evaluation data;
+7. **checkpoint manager** of the run folder.
+
+``build_training_step`` is stages 1-5 alone (the benchmarks time its step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from vitrain import cpu_features, kernels
+from vitrain.checkpoint import CheckpointManager, RunCheckpoints
+from vitrain.checkpoint.manager import write_file_atomic
+from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
+from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
+from vitrain.config import ConfigError, Plan, config_to_yaml, model_overrides
+from vitrain.data import Normalize, build_loaders
+from vitrain.data.loader import derive_seed
+from vitrain.models import build_model, load_pretrained
+from vitrain.parallel.distributed import all_reduce_, holds_dtensors
+from vitrain.parallel.parallelize import parallelize
+from vitrain.train.attention_probe import choose_attention
+from vitrain.train.host_memory import configure_host_allocator
+from vitrain.train.optim import build_optimizer
+from vitrain.train.state import TrainState
+from vitrain.train.step import TrainStep, apply_precision, autocast_context, build_grad_scaler
+
+log = logging.getLogger("vitrain")
+
+
+def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:
+    """The plan's model: built on the meta device, materialized on ``device``, initialized."""
+    model_config = plan.config.model
+    model = build_model(
+        model_config.name,
+        device="meta",
+        img_size=plan.config.data.image_size,
+        in_chans=plan.in_chans,
+        num_classes=plan.num_classes,
+        **model_overrides(model_config),
+    )
+    if model_config.attn_impl == "auto":  # shapes from a meta-device forward, before materializing
+        size = plan.config.data.image_size
+        images = torch.empty(1, plan.in_chans, size, size, device="meta")
+        choose_attention(model, images, plan.config.train.batch_size, plan.precision, plan.precision_mode, plan.device)
+    model.to_empty(device=device or plan.device)
+    model.init_weights()
+    return model
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds while it runs."""
+
+    plan: Plan
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step_fn: TrainStep
+    train_loader: Any
+    eval_loader: Any
+    normalize: Normalize
+    checkpoints: RunCheckpoints
+    state: TrainState
+
+
+def _apply_converters(model: nn.Module, plan: Plan) -> None:
+    """Stage 2: what changes how the built model computes, applied from outside it: the fused CPU
+    kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU,
+    ``train.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
+    channels-last weights."""
+    cpu_features.warn_if_bf16_emulated(plan.device, plan.precision)
+    if kernels.wanted(plan.device, plan.precision):
+        kernels.paths()  # where they will apply: probed once, before any clock
+        kernels.convert(model)
+    if plan.config.train.channels_last:  # in place: same parameter objects, NHWC strides
+        model.to(memory_format=torch.channels_last)
+
+
+def build_training_step(plan: Plan) -> TrainStep:
+    """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them."""
+    configure_host_allocator(plan.config.train.host_allocator)  # before the step's first allocations
+    kernels.set_mode(plan.config.train.cpu_kernels)  # before the model: the attention probe times with it
+    torch.manual_seed(plan.config.train.seed)
+    model = build_model_for(plan)
+    _apply_converters(model, plan)
+    fsdp = plan.shards_model and "fsdp" in plan.config.parallel.strategy
+    low_precision = apply_precision(model, plan.precision, plan.precision_mode, fsdp_mixed_precision=fsdp)
+    forward_module = parallelize(low_precision.compute if low_precision else model, plan)
+    optimizer = build_optimizer(model, plan)  # after sharding, which replaces the parameters by DTensors
+    several = plan.world.size > 1
+    step = TrainStep(
+        model,
+        optimizer,
+        build_grad_scaler(plan.precision, plan.device, plan.precision_mode),
+        plan.precision,
+        plan.device,
+        plan.config.train.label_smoothing,
+        plan.config.optim.grad_clip,
+        plan.precision_mode,
+        micro_batch=plan.config.train.micro_batch_size,
+        low_precision=low_precision,
+        forward_module=forward_module,
+        agree_on_skip=_agree_across_processes if several else None,
+    )
+    if several:
+        # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
+        # draws (tensor-parallel peers compute one slice together, so they draw alike)
+        torch.manual_seed(derive_seed(plan.config.train.seed, plan.world.data_rank))
+    return step
+
+
+def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
+    """One process's non-finite loss skips the step on every process."""
+    return all_reduce_(skipped, "max")
+
+
+def eval_batch_per_process(plan: Plan) -> int:
+    return plan.eval_batch // plan.world.data_size
+
+
+def forward_shapes(plan: Plan) -> list[tuple[int, int]]:
+    """(batch, image size) of every forward pass the run will make: each stage's accumulation pieces
+    (the last piece may be smaller) and evaluation (at data.image_size, padded to full batches)."""
+    shapes = []
+    for stage in plan.stages:
+        share = stage.batch_size // plan.world.data_size
+        micro = min(plan.config.train.micro_batch_size or share, share)
+        shapes += [(micro, stage.image_size)] + ([(share % micro, stage.image_size)] if share % micro else [])
+    return list(dict.fromkeys(shapes))
+
+
+def warm_up_compiled_shapes(run: Run) -> float:
+    """Compile every training shape (forward and backward) and the eval shape before the clock starts;
+    weights, optimizer, BatchNorm statistics and RNG states are left as they were. Returns seconds."""
+    plan, step_fn = run.plan, run.step_fn
+    started = time.perf_counter()
+    shapes = forward_shapes(plan)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes) + 2)
+    buffers = {name: buffer.clone() for name, buffer in run.model.named_buffers()}
+    rng = capture_rng_state()
+    step_fn.warm_up(
+        run.normalize(torch.zeros(batch, plan.in_chans, size, size, device=plan.device)) for batch, size in shapes
+    )
+    size = plan.config.data.image_size
+    with torch.inference_mode(), autocast_context(plan.precision, plan.device):
+        run.model.eval()
+        run.model(
+            run.normalize(torch.zeros(eval_batch_per_process(plan), plan.in_chans, size, size, device=plan.device))
+        )
+        run.model.train()
+    with torch.no_grad():
+        for name, buffer in run.model.named_buffers():
+            buffer.copy_(buffers[name])
+    restore_rng_state(rng)
+    return time.perf_counter() - started
+
+
+def build_run(plan: Plan) -> Run:
+    """Every stage, in the order of this module's docstring."""
+    step_fn = build_training_step(plan)
+    train_loader, eval_loader = build_loaders(plan)
+    return Run(
+        plan=plan,
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
+        step_fn=step_fn,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        normalize=Normalize(plan.mean, plan.std, plan.device, plan.config.train.channels_last),
+        checkpoints=_build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader}),
+        state=TrainState(),
+    )
+
+
+def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) -> RunCheckpoints:
+    """Stage 7: the run folder's checkpoints and what each one saves."""
+    return RunCheckpoints(
+        manager=CheckpointManager(plan.out_dir, plan.config.checkpoint.keep_last),
+        model=step_fn.model,
+        optimizer=step_fn.optimizer,
+        scaler=step_fn.scaler,
+        bad_images={split: loader.bad_images for split, loader in loaders.items()},
+        record={
+            "config": plan.config.model_dump(mode="json"),
+            "plan": {
+                "lr": plan.lr,
+                "global_batch": plan.global_batch,
+                "steps_per_epoch": plan.steps_per_epoch,
+                "duration_unit": plan.duration_unit,
+                "run_length": plan.run_length,
+                "precision": plan.precision,
+                "precision_mode": plan.precision_mode,
+            },
+        },
+        world=plan.world,
+        seed=plan.config.train.seed,
+        sharded=plan.checkpoint_format == "sharded",
+        gathers=plan.shards_model,
+        weights_loaded=step_fn.weights_changed,
+    )
+
+
+def apply_init_from(run: Run, path: Path) -> list[str]:
+    """Load a checkpoint's model weights into a new run (fine-tuning); returns the classifier
+    parameters left at their initialization because the class count differs."""
+    weights, info = read_checkpoint_model(path)
+    target = run.model
+    if holds_dtensors(run.model):  # FSDP/TP: adapt a plain full copy (resampling, new head), then shard it
+        target = build_model_for(run.plan, "cpu")
+        target.load_state_dict(get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True)))
+    try:
+        fresh = load_pretrained(target, weights)
+    except ValueError as error:
+        raise ConfigError(f"train.init_from={path}: {error}; fine-tune the same model.name") from None
+    if target is not run.model:
+        load_model_state(run.model, target.state_dict(), full=True)
+    run.step_fn.weights_changed()
+    saved_size = info.get("config", {}).get("data", {}).get("image_size")
+    log.info(
+        "initialized from %s (trained at %s px, now %d px)%s",
+        path,
+        saved_size,
+        run.plan.config.data.image_size,
+        f"; new classifier: {', '.join(fresh)}" if fresh else "",
+    )
+    return fresh
+
+
+def prepare_run_folder(plan: Plan) -> None:
+    """Create the run folder and write the resolved config; an unwritable folder is a ConfigError."""
+    if not plan.world.is_main:
+        return
+    try:
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(plan.out_dir / "config.yaml", config_to_yaml(plan.config).encode())
+    except OSError as error:
+        raise ConfigError(
+            f"train.out_dir={plan.out_dir}: cannot write the run folder ({error.strerror or error}); "
+            "choose a writable folder or free disk space"
+        ) from None

@@ -1,0 +1,65 @@
+"""What a run says about itself: its length in words (the start line) and ``summary.json`` (the end)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vitrain.checkpoint.manager import write_file_atomic
+from vitrain.config import Plan
+from vitrain.metrics import run_environment
+from vitrain.models import num_parameters
+from vitrain.train.build import Run
+
+
+def describe_length(plan: Plan) -> str:
+    """The run's length in words, e.g. ``2106 steps (9.00 epochs)`` or ``a 600 s budget``."""
+    if plan.duration_unit == "seconds":
+        text = f"a {plan.run_length:g} s training budget"
+    else:
+        steps = plan.total_steps
+        text = f"{steps} steps ({plan.epochs:.2f} epochs)" if steps is not None else f"{plan.epochs:.2f} epochs"
+    if len(plan.stages) > 1:
+        sizes = "->".join(str(stage.image_size) for stage in plan.stages)
+        text += f", image sizes {sizes}"
+    return text
+
+
+def write_summary(
+    run: Run,
+    wall_s: float,
+    images_this_session: int,
+    session_train_s: float,
+    session_data_wait_s: float,
+    preempted: str | None = None,
+) -> dict[str, Any]:
+    state, plan = run.state, run.plan
+    summary = {
+        "model": plan.config.model.name,
+        "num_params": num_parameters(run.model),
+        "recipe": plan.config.recipe,
+        "device": plan.device,
+        "precision": plan.precision,
+        "precision_mode": plan.precision_mode,
+        "epochs": state.epoch_position(plan.num_train),
+        "steps": state.step,
+        "world_size": plan.world.size,
+        "images_seen": state.images_seen,
+        "best_top1": state.best_top1,
+        "final_top1": state.last_eval["top1"] if state.last_eval else None,
+        "final_top5": state.last_eval["top5"] if state.last_eval else None,
+        "wall_s": wall_s,
+        "train_s": state.train_s,
+        "eval_s": state.eval_s,
+        "checkpoint_s": state.checkpoint_s,
+        "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
+        "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
+        "bad_images": run.train_loader.bad_images.counts(),
+        "bad_eval_images": run.eval_loader.bad_images.counts(),
+        "skipped_steps": state.skipped_steps,
+        "preempted": preempted,
+        **run_environment(plan.device),
+    }
+    if plan.world.is_main:
+        write_file_atomic(plan.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    return summary
