@@ -18,6 +18,7 @@ the medians.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -25,6 +26,7 @@ from vitrain import kernels
 from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.config import Config, build_config
+from vitrain.kernels import converter, depthwise, linear
 from vitrain.train import make_plan
 from vitrain.train.build import build_training_step
 
@@ -34,14 +36,18 @@ def _separate_add_layer_norm(x, branch, norm):  # noqa: ANN001, ANN202
     return s, norm(s)
 
 
-# what each --kernel switch sets in vitrain.kernels, and to what, for the arm without it
+def _without_bias_in_product() -> kernels.Paths:
+    return dataclasses.replace(kernels.build._decide_paths(), bias_in_product=False)
+
+
+# what each --kernel switch replaces, in which module of vitrain.kernels, for the arm without it
 SWITCHES = {
-    "attention": ("attention", lambda *_, **__: None),
-    "linear_gelu": ("linear_gelu", lambda *_, **__: None),
-    "locality_front": ("locality_front", lambda *_, **__: None),
-    "weight_gradient": ("_tiled_weight_gradient", lambda weight: False),
-    "add_layer_norm": ("add_layer_norm", _separate_add_layer_norm),
-    "bias_in_product": ("_bias_in_product", lambda: False),
+    "attention": ([converter], "attention", lambda *_, **__: None),
+    "linear_gelu": ([converter], "linear_gelu", lambda *_, **__: None),
+    "locality_front": ([converter], "locality_front", lambda *_, **__: None),
+    "weight_gradient": ([linear, depthwise], "tiled_weight_gradient", lambda weight: False),
+    "add_layer_norm": ([converter], "add_layer_norm", _separate_add_layer_norm),
+    "bias_in_product": ([kernels.build], "paths", _without_bias_in_product),
 }
 
 
@@ -64,15 +70,15 @@ def main() -> None:
     images, labels = synthetic_batch(plan)
     if kernels.load() is None:
         raise SystemExit("the fused CPU kernels could not be built here; nothing to compare")
-    attribute, off = SWITCHES[args.kernel] if args.kernel else (None, None)
-    kernel = getattr(kernels, attribute) if attribute else None
+    modules, attribute, off = SWITCHES[args.kernel] if args.kernel else ([], None, None)
+    kernel = getattr(modules[0], attribute) if attribute else None
     arms = {f"without {args.kernel}": "auto", "all": "auto"} if attribute else {"native": "native", "auto": "auto"}
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(args.rounds):
         for arm, samples in times.items():
             kernels.set_mode(arms[arm])
-            if attribute is not None:
-                setattr(kernels, attribute, off if arm.startswith("without") else kernel)
+            for module in modules:
+                setattr(module, attribute, off if arm.startswith("without") else kernel)
             step(images, labels)[0].item()
             start = time.perf_counter()
             for _ in range(args.steps):

@@ -9,8 +9,8 @@ runs warm-up steps, then times every aten call of ``--steps`` whole steps with a
 elementwise ops several fold on the project's VMs; this timer adds about a microsecond per call.
 Prints ms per step by op (and by op and shapes with ``--shapes``), and the share of the step that
 the ops account for (the rest is Python and autograd bookkeeping). The fused CPU kernels of
-``vitrain.kernels`` run outside the dispatcher; their calls are timed around each call and listed as
-``kernel <name>`` (the ATen ops they call inside, allocations mostly, are listed on their own too).
+``vitrain.kernels`` are registered ops: they are listed as ``vitrain.<op>``, their time including the
+ATen calls they make inside (which the timer does not see on their own).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vitrain import kernels
 from vitrain.bench import BenchSettings, bench_overrides
 from vitrain.bench.throughput import synthetic_batch
 from vitrain.config import Config, build_config
@@ -41,32 +40,14 @@ class OpTimer(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         elapsed = time.perf_counter() - start
-        key = str(func.overloadpacket.__name__)
+        name = str(func.overloadpacket.__name__)
+        key = name if func.namespace == "aten" else f"{func.namespace}.{name}"
         if self.shapes:
             dims = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
             key = f"{key} {dims}"
         self.total[key] += elapsed
         self.calls[key] += 1
         return out
-
-
-class KernelTimer:
-    """Stands in for the compiled kernels module: each function call is timed into ``timer``."""
-
-    def __init__(self, module, timer: OpTimer) -> None:  # noqa: ANN001
-        self.module, self.timer = module, timer
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        function = getattr(self.module, name)
-
-        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
-            out = function(*args, **kwargs)
-            self.timer.total[f"kernel {name}"] += time.perf_counter() - start
-            self.timer.calls[f"kernel {name}"] += 1
-            return out
-
-        return timed
 
 
 def main() -> None:
@@ -98,16 +79,10 @@ def main() -> None:
     untimed_ms = (time.perf_counter() - start) * 1e3 / args.steps
 
     timer = OpTimer(args.shapes)
-    compiled = kernels.load()
-    if compiled is not None:
-        kernels._module = KernelTimer(compiled, timer)
     start = time.perf_counter()
-    try:
-        with timer:
-            for _ in range(args.steps):
-                step(images, labels)[0].item()
-    finally:
-        kernels._module = compiled
+    with timer:
+        for _ in range(args.steps):
+            step(images, labels)[0].item()
     timed_ms = (time.perf_counter() - start) * 1e3 / args.steps
 
     op_ms = sum(timer.total.values()) * 1e3 / args.steps

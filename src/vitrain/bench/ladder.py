@@ -4,8 +4,7 @@ the previous rungs' settings and adds one technique; throughput is reported rela
 fp32 baseline (for-loop optimizer, SDPA, eager, autocast) -> + low precision (bf16/fp16 autocast)
 -> + fused optimizer -> + attention choice (SDPA and the explicit matmul path both measured, the
 faster kept) -> + torch.compile (kept for the next rungs only if it measured faster than the rung
-before: compiled regions take PyTorch's ops where vitrain's fused CPU kernels would run, which on an
-AMX CPU costs more than Inductor's fusion gains) -> + O2 weights -> + activation checkpointing on
+before) -> + O2 weights -> + activation checkpointing on
 every block (a memory rung: it trades speed for activation memory).
 """
 

@@ -24,7 +24,10 @@
 // to 16 where tokens are rows or columns of a product, to 32 where they are its reduction.
 //
 // The tiles' plain C++ backend runs the same algorithm on CPUs without AMX, for the tests.
+//
+// Also here: amx_available, whether the AMX path can run (weight_gradient.cpp's kernel checks it too).
 
+#include "kernels.h"
 #include "tiles.h"
 
 using namespace vitrain_kernels;

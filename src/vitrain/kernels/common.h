@@ -1,5 +1,7 @@
-// Shared by the kernel sources (cpu.cpp, attention.cpp): bf16 <-> float32 vector loads and stores with
-// ATen's vector types, for whichever ISA the extension is built for.
+// Helpers shared by the kernel sources (layer_norm.cpp, gelu.cpp, linear.cpp, depthwise.cpp,
+// attention.cpp, weight_gradient.cpp): bf16 <-> float32 vector loads and stores with ATen's vector
+// types, for whichever ISA the extension is built for; the GELU tables and the GELU's backward on rows;
+// column sums (add_rows, and ColumnSums across threads); the check of contiguous bf16 operands.
 #pragma once
 
 #include <torch/extension.h>
@@ -85,7 +87,7 @@ inline float horizontal_sum(const fVec& v) {
 }
 
 // The exact (erf) GELU and its derivative at every bf16 value, 65536 floats each, in double precision
-// rounded once (the GELU kernels of cpu.cpp, and weight_gradient.cpp's GELU backward).
+// rounded once (the GELU kernels of gelu.cpp, and weight_gradient.cpp's GELU backward).
 struct GeluTables {
   std::vector<float> value, derivative;
   GeluTables() : value(1 << 16), derivative(1 << 16) {
@@ -128,7 +130,7 @@ inline fVec gather(const float* table, const BF* p, int64_t n) {
 }
 
 // The GELU's backward on `rows` contiguous rows of `width`: dh = g * GELU'(h), rounded to bf16 into
-// `dh`, its float32 values (before rounding) added to `sums` if given (cpu.cpp's gelu_backward, and
+// `dh`, its float32 values (before rounding) added to `sums` if given (gelu.cpp's gelu_backward, and
 // weight_gradient.cpp's chunks).
 inline void gelu_backward_rows(const BF* g, const BF* h, int64_t rows, int64_t width, BF* dh, float* sums) {
   const float* table = gelu_tables().derivative.data();
@@ -152,6 +154,31 @@ inline void add_rows(const BF* rows, int64_t count, int64_t width, float* sums) 
     }
   }
 }
+
+// Column sums accumulated per thread in float32 (one block of `columns` per thread and sum), then
+// reduced into `out` (float32 or bf16, rounded once). No ATen ops: nothing for autograd to record.
+struct ColumnSums {
+  int64_t columns, sums, threads;
+  std::vector<float> partial;
+  ColumnSums(int64_t columns, int64_t sums)
+      : columns(columns), sums(sums), threads(at::get_num_threads()), partial(threads * sums * columns, 0.f) {}
+  float* block(int64_t sum) { return partial.data() + (at::get_thread_num() * sums + sum) * columns; }
+  at::Tensor reduce(int64_t sum, at::ScalarType dtype) const {
+    std::vector<float> total(columns, 0.f);
+    for (int64_t t = 0; t < threads; ++t) {
+      const float* p = partial.data() + (t * sums + sum) * columns;
+      for (int64_t c = 0; c < columns; ++c) total[c] += p[c];
+    }
+    auto out = at::empty({columns}, at::TensorOptions().dtype(dtype));
+    if (dtype == at::kFloat) {
+      std::copy(total.begin(), total.end(), out.data_ptr<float>());
+    } else {
+      BF* o = out.data_ptr<BF>();
+      for (int64_t c = 0; c < columns; ++c) o[c] = BF(total[c]);
+    }
+    return out;
+  }
+};
 
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "common.h"
+#include "kernels.h"  // amx_available
 
 #include <cstring>
 #include <limits>
@@ -365,10 +366,6 @@ class Arena {
   uint8_t* base_ = nullptr;
   int64_t used_ = 0;
 };
-
-// Whether the AMX path can run: the CPU has AMX-TILE and AMX-BF16, the extension was built with them,
-// and Linux granted this process the tile state (attention.cpp).
-bool amx_available();
 
 inline void check_backend(bool emulate, const char* name) {
   TORCH_CHECK(emulate || amx_available(), name,

@@ -11,6 +11,7 @@
 // products into its own float32 copy of dW, two A tiles by two B tiles at a time. The threads' copies
 // are summed and rounded to bf16 once at the end.
 
+#include "kernels.h"
 #include "tiles.h"
 
 #include <vector>

@@ -15,32 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitrain import kernels
-
 Grid = tuple[int, int]
-
-
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` whose bf16 CPU path runs the fused kernels of :mod:`vitrain.kernels` (float32
-    statistics and gradient sums; ``train.cpu_kernels``). Same parameters, same state dict."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose bf16 CPU backward takes the weight gradient from feature-major operands
-    (:func:`vitrain.kernels.linear`; ``train.cpu_kernels``). Same parameters, same state dict."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
-
-
-class GELU(nn.GELU):
-    """The exact ``nn.GELU``; bf16 CPU tensors take the table kernels of :func:`vitrain.kernels.gelu`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.gelu(x) if self.approximate == "none" else super().forward(x)
 
 
 def tokens_as_image(tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -220,8 +195,65 @@ class MatmulAttention(torch.autograd.Function):
         return grads.reshape(batch, tokens, 3 * batch_heads // batch * head_dim), None, None
 
 
+class SdpaAttention(nn.Module):
+    """Attention core by ``F.scaled_dot_product_attention`` (flash, memory-efficient or math, as torch
+    chooses): fused qkv ``(B, N, 3 * heads * head_dim)`` to ``(B, N, heads * head_dim)``."""
+
+    def __init__(self, head_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.head_dim, self.dropout = head_dim, dropout
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = qkv.shape
+        # heads inferred (-1): under tensor parallelism each process holds only its share of them
+        q, k, v = qkv.reshape(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return x.transpose(1, 2).reshape(batch, tokens, -1)
+
+
+class MatmulAttentionCore(nn.Module):
+    """Attention core by explicit matmuls, ``softmax(scale q k^T) v``: :class:`MatmulAttention` (its
+    backward written out); with dropout in training, or ``softmax_fp32``, the products through autograd.
+
+    ``softmax_fp32`` is DeiT's fix for NaN losses in fp16: scores q.k^T and their softmax in fp32 (an fp16
+    product overflows past 65504), the probabilities back in v's dtype for the second product. SDPA needs
+    no switch: its fused kernels accumulate in fp32 and its math fallback upcasts fp16/bf16."""
+
+    def __init__(self, head_dim: int, dropout: float = 0.0, softmax_fp32: bool = False):
+        super().__init__()
+        self.head_dim, self.dropout, self.softmax_fp32 = head_dim, dropout, softmax_fp32
+        self.scale = head_dim**-0.5
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if not dropout and not self.softmax_fp32:
+            return MatmulAttention.apply(qkv, self.head_dim, self.scale)
+        batch, tokens, _ = qkv.shape
+        q, k, v = qkv.reshape(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.softmax_fp32:
+            with _autocast_off(q.device):
+                probabilities = ((q.float() * self.scale) @ k.float().transpose(-2, -1)).softmax(dim=-1)
+            probabilities = probabilities.to(v.dtype)
+        else:
+            probabilities = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        x = F.dropout(probabilities, dropout, self.training) @ v
+        return x.transpose(1, 2).reshape(batch, tokens, -1)
+
+
+def attention_core(
+    impl: Literal["sdpa", "matmul"], head_dim: int, dropout: float = 0.0, softmax_fp32: bool = False
+) -> nn.Module:
+    """The attention core for ``impl``: what ``model.attn_impl`` (and the attention probe) choose."""
+    if impl == "sdpa":
+        return SdpaAttention(head_dim, dropout)
+    if impl == "matmul":
+        return MatmulAttentionCore(head_dim, dropout, softmax_fp32)
+    raise ValueError(f"attention impl must be sdpa or matmul, not {impl!r}")
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection."""
+    """Multi-head self-attention with a fused qkv projection; the product itself is ``self.core``
+    (:func:`attention_core`)."""
 
     def __init__(
         self,
@@ -240,43 +272,22 @@ class Attention(nn.Module):
             raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.impl, self.softmax_fp32 = impl, softmax_fp32
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
-        self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim, device=device, dtype=dtype)
+        self.attn_drop, self.softmax_fp32 = attn_drop, softmax_fp32
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, device=device, dtype=dtype)
+        self.core = attention_core(impl, self.head_dim, attn_drop, softmax_fp32)
+        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, _ = x.shape
-        dropout = self.attn_drop if self.training else 0.0
-        qkv = self.qkv(x)
-        if self.impl == "matmul" and not dropout:
-            fused = kernels.attention(qkv, self.head_dim, self.scale)  # AMX, float32 softmax; None elsewhere
-            if fused is not None:
-                return self.proj_drop(self.proj(fused))
-        if self.impl == "matmul" and not self.softmax_fp32 and not dropout:
-            return self.proj_drop(self.proj(MatmulAttention.apply(qkv, self.head_dim, self.scale)))
-        # heads inferred (-1): under tensor parallelism each process holds only its share of them
-        q, k, v = qkv.reshape(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if self.impl == "sdpa":
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
-        else:
-            x = self._matmul_attention(q, k, v, dropout)
-        x = x.transpose(1, 2).reshape(batch, tokens, -1)
-        return self.proj_drop(self.proj(x))
+    @property
+    def impl(self) -> str:
+        return "sdpa" if isinstance(self.core, SdpaAttention) else "matmul"
 
-    def _matmul_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
-        if not self.softmax_fp32:
-            weights = (q * self.scale) @ k.transpose(-2, -1)
-            return F.dropout(weights.softmax(dim=-1), dropout, self.training) @ v
-        # DeiT's fix for NaN losses in fp16: scores q.k^T and their softmax in fp32 (an fp16 product
-        # overflows past 65504), the probabilities back in v's dtype for the second product. SDPA needs
-        # no switch: its fused kernels accumulate in fp32 and its math fallback upcasts fp16/bf16.
-        with _autocast_off(q.device):
-            weights = (q.float() * self.scale) @ k.float().transpose(-2, -1)
-            probabilities = weights.softmax(dim=-1)
-        return F.dropout(probabilities.to(v.dtype), dropout, self.training) @ v
+    @impl.setter
+    def impl(self, impl: Literal["sdpa", "matmul"]) -> None:
+        self.core = attention_core(impl, self.head_dim, self.attn_drop, self.softmax_fp32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_drop(self.proj(self.core(self.qkv(x))))
 
 
 class Mlp(nn.Module):
@@ -284,19 +295,14 @@ class Mlp(nn.Module):
 
     def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
         super().__init__()
-        self.fc1 = Linear(dim, hidden, device=device, dtype=dtype)
-        self.act = GELU()
+        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.act = nn.GELU()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        hidden = None
-        if self.act.approximate == "none" and not self.fc1._forward_hooks and not self.fc1._forward_pre_hooks:
-            hidden = kernels.linear_gelu(x, self.fc1.weight, self.fc1.bias)  # one function, bias grad fused
-        if hidden is None:
-            hidden = self.act(self.fc1(x))
-        return self.drop2(self.fc2(self.drop1(hidden)))
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 class LocalityMlp(nn.Module):
@@ -310,22 +316,17 @@ class LocalityMlp(nn.Module):
     def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
         super().__init__()
         self.num_prefix_tokens = num_prefix_tokens
-        self.fc1 = Linear(dim, hidden, device=device, dtype=dtype)
+        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
         self.conv = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, device=device, dtype=dtype)
         self.act = nn.Hardswish()
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.fc1, self.conv, self.act))
-        if not hooked:
-            front = kernels.locality_front(x, self.fc1, self.conv, grid, self.num_prefix_tokens)
-            if front is not None:  # fc1, convolution and h-swish as one function (bf16 CPU)
-                return self.drop2(self.fc2(self.drop1(front)))
         x = self.fc1(x)
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
-        patches = image_as_tokens(kernels.depthwise_conv3x3(tokens_as_image(patches, grid), self.conv))
+        patches = image_as_tokens(self.conv(tokens_as_image(patches, grid)))
         x = torch.cat([prefix, patches], dim=1) if self.num_prefix_tokens else patches
         return self.drop2(self.fc2(self.drop1(self.act(x))))
 
@@ -350,37 +351,26 @@ class Block(nn.Module):
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = LayerNorm(dim, eps=1e-6, **factory)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
         self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, attn_softmax_fp32, **factory)
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = LayerNorm(dim, eps=1e-6, **factory)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
         self.mlp = mlp_type(dim, mlp_hidden, drop, num_prefix_tokens, **factory)
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        x, branch = self.forward_chained(x, None, grid)
-        return x + branch
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x), grid))
 
-    def forward_chained(
-        self, x: torch.Tensor, branch: torch.Tensor | None, grid: Grid
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block with the residual sums at both ends left open: takes the previous block's pending
-        ``(x, branch)`` (``branch`` None: ``x`` is complete) and returns its own, so that each residual
-        sum and the norm after it run as one pass where the fused kernels apply
-        (:func:`vitrain.kernels.add_layer_norm`); the model sums the last pair."""
-        if branch is None:
-            normed = self.norm1(x)
-        else:
-            x, normed = kernels.add_layer_norm(x, branch, self.norm1)
-        x, normed = kernels.add_layer_norm(x, self.drop_path1(self.attn(normed)), self.norm2)
-        return x, self.drop_path2(self.mlp(normed, grid))
 
-    def chains(self) -> bool:
-        """Whether the model may call :meth:`forward_chained` directly: a plain block, not compiled on
-        its own (``train.compile``), nothing hooked on it (FSDP and activation checkpointing act
-        through its forward hooks)."""
-        hooked = self._forward_hooks or self._forward_pre_hooks
-        return type(self) is Block and getattr(self, "_compiled_call_impl", None) is None and not hooked
+class Blocks(nn.ModuleList):
+    """The stack of transformer blocks, applied in order (state-dict keys ``blocks.0...``, as a
+    ``ModuleList``'s)."""
+
+    def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        for block in self:
+            x = block(x, grid)
+        return x
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: Grid, num_prefix_tokens: int) -> torch.Tensor:

@@ -27,9 +27,9 @@ weight 1 and bias 0 (timm's ``_init_weights``, which the official code applies).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vitrain import kernels
 from vitrain.models.layers import Grid, image_as_tokens, split_prefix, tokens_as_image
 
 # Official variants (models/localvit.py: localvit_tiny_mlp4_act3_r192, localvit_small_mlp4_act3_r384)
@@ -86,16 +86,20 @@ class LocalViTMlp(nn.Module):
         self.reduce_norm = nn.BatchNorm2d(dim, **factory)
         self.drop2 = nn.Dropout(drop)
 
+    @staticmethod
+    def pointwise(tokens: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        """A 1x1 convolution applied to ``(B, N, C)`` tokens: the matmul it is."""
+        return F.linear(tokens, conv.weight.flatten(1), conv.bias)
+
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (kernels.linear on the
-        # conv weights), and the depthwise conv and the BatchNorms see channels_last views of the
-        # same memory; no NCHW copy is made. Same numbers as the official NCHW code (tested).
+        # Tokens stay (B, N, C): the 1x1 convolutions run as the matmuls they are (``pointwise``), and
+        # the depthwise conv and the BatchNorms see channels_last views of the same memory; no NCHW copy
+        # is made. Same numbers as the official NCHW code (tested).
         prefix, patches = split_prefix(x, self.num_prefix_tokens)
-        hidden = kernels.linear(patches, self.expand.weight.flatten(1), None)
-        image = self.act(self.expand_norm(tokens_as_image(hidden, grid)))
-        image = self.act(self.depthwise_norm(kernels.depthwise_conv3x3(image, self.depthwise)))
+        image = self.act(self.expand_norm(tokens_as_image(self.pointwise(patches, self.expand), grid)))
+        image = self.act(self.depthwise_norm(self.depthwise(image)))
         hidden = image_as_tokens(self.drop1(self.se(image)))
-        patches = tokens_as_image(kernels.linear(hidden, self.reduce.weight.flatten(1), None), grid)
+        patches = tokens_as_image(self.pointwise(hidden, self.reduce), grid)
         patches = self.drop2(image_as_tokens(self.reduce_norm(patches)))
         return torch.cat([torch.zeros_like(prefix), patches], dim=1) if self.num_prefix_tokens else patches
 

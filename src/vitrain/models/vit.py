@@ -18,8 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vitrain import kernels
-from vitrain.models.layers import Block, ConvStem, LayerNorm, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+from vitrain.models.layers import Block, Blocks, ConvStem, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
 from vitrain.models.localvit import LocalViTMlp
 
 
@@ -67,7 +66,7 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(args.drop_rate)
         mlp_type = {"mlp": Mlp, "locality": LocalityMlp, "localvit": LocalViTMlp}[args.ffn]
         drop_path_rates = torch.linspace(0, args.drop_path_rate, args.depth).tolist()
-        self.blocks = nn.ModuleList(
+        self.blocks = Blocks(
             Block(
                 dim,
                 args.num_heads,
@@ -83,7 +82,7 @@ class VisionTransformer(nn.Module):
             )
             for rate in drop_path_rates
         )
-        final_norm = LayerNorm(dim, eps=1e-6, **factory)
+        final_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
         self.norm = final_norm if args.head == "cls" else nn.Identity()
         self.fc_norm = final_norm if args.head == "gap" else nn.Identity()
         self.head_drop = nn.Dropout(args.drop_rate)
@@ -131,19 +130,7 @@ class VisionTransformer(nn.Module):
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + pos_embed)
-        branch = None  # a residual branch not yet added to x (Block.forward_chained)
-        for block in self.blocks:
-            if block.chains():
-                x, branch = block.forward_chained(x, branch, grid)
-                continue
-            if branch is not None:
-                x, branch = x + branch, None
-            x = block(x, grid)
-        if branch is None:
-            return self.norm(x)
-        if isinstance(self.norm, nn.LayerNorm):
-            return kernels.add_layer_norm(x, branch, self.norm)[1]
-        return self.norm(x + branch)
+        return self.norm(self.blocks(x, grid))
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)

@@ -33,8 +33,6 @@ from vitrain.models.layers import (
     Attention,
     DropPath,
     Grid,
-    LayerNorm,
-    Linear,
     Mlp,
     resample_pos_embed,
     split_prefix,
@@ -287,10 +285,10 @@ class OutlookAttention(nn.Module):
         self.kernel_size = kernel_size
         self.stride = stride
         self.scale = (dim // num_heads) ** -0.5
-        self.v = Linear(dim, dim, bias=qkv_bias, **factory)
-        self.attn = Linear(dim, kernel_size**4 * num_heads, **factory)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias, **factory)
+        self.attn = nn.Linear(dim, kernel_size**4 * num_heads, **factory)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = Linear(dim, dim, **factory)
+        self.proj = nn.Linear(dim, dim, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, height, width, dim = x.shape
@@ -327,9 +325,9 @@ class ClassAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.attn_drop = attn_drop
-        self.kv = Linear(dim, dim * 2, bias=qkv_bias, device=device, dtype=dtype)
-        self.q = Linear(dim, dim, bias=qkv_bias, device=device, dtype=dtype)
-        self.proj = Linear(dim, dim, device=device, dtype=dtype)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias, device=device, dtype=dtype)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias, device=device, dtype=dtype)
+        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
@@ -350,10 +348,10 @@ class GridBlock(nn.Module):
     def __init__(self, dim: int, attn: nn.Module, mlp_hidden: int, drop_path: float = 0.0, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = LayerNorm(dim, **factory)
+        self.norm1 = nn.LayerNorm(dim, **factory)
         self.attn = attn
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = LayerNorm(dim, **factory)
+        self.norm2 = nn.LayerNorm(dim, **factory)
         self.mlp = Mlp(dim, mlp_hidden, **factory)
         self.drop_path2 = DropPath(drop_path)
 
@@ -377,9 +375,9 @@ class ClassBlock(nn.Module):
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = LayerNorm(dim, **factory)
+        self.norm1 = nn.LayerNorm(dim, **factory)
         self.attn = ClassAttention(dim, num_heads, qkv_bias, attn_drop, **factory)
-        self.norm2 = LayerNorm(dim, **factory)
+        self.norm2 = nn.LayerNorm(dim, **factory)
         self.mlp = Mlp(dim, mlp_hidden, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -433,7 +431,7 @@ class VOLO(nn.Module):
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory))
         self.aux_head = nn.Linear(dim, args.num_classes, **factory) if args.use_aux_head else None
-        self.norm = LayerNorm(dim, **factory)
+        self.norm = nn.LayerNorm(dim, **factory)
         self.head_drop = nn.Dropout(args.drop_rate)
         self.head = nn.Linear(dim, args.num_classes, **factory)
         self._layer_ids = self._number_layers()

@@ -18,12 +18,12 @@ def fmnist() -> Config:
     with the patchify stem at 32 px 91.24 %, the patch-7 LocalViT at 28 px 91.47 ± 0.06 % (2 seeds)."""
     config = Config(precision="auto", precision_mode="o2")  # O2: +4 % step throughput over autocast
     config.model.name = "localvit_tiny6_convstem_patch8"  # conv stem: +1.2 pt over patchify, same seed
-    config.model.head = "gap"  # +1.9 pt over CLS after 1 epoch (docs/benchmarks.md)
+    config.model.head = "gap"  # +1.9 pt over CLS after 1 epoch (docs/results.md)
     config.model.mlp_ratio = 2.0  # 1.6x faster step: 9 epochs fit where 6 would at ratio 4, same accuracy
     config.model.attn_impl = "matmul"  # faster than SDPA's CPU kernels here (docs/benchmarks.md)
     config.data.name = "fashion-mnist"
     config.data.image_size = 32  # 28 px resized (bilinear, train and eval alike) for the power-of-two stem
-    config.data.scale = (1.0, 1.0)  # crops of scale 0.35-1 cost ~15 pt at equal epochs (docs/benchmarks.md)
+    config.data.scale = (1.0, 1.0)  # crops of scale 0.35-1 cost ~15 pt at equal epochs (docs/results.md)
     config.data.hflip = 0.0  # flips cost 0.4 pt at 2 epochs and are neutral at 9 (89.17 vs 89.15)
     config.data.crop_pct = 1.0  # no translation or erasing either: +-2 px shifts cost 1.5 pt at 4 epochs
     config.train.batch_size = 256

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vitrain import kernels
 from vitrain.metrics.records import run_environment
 from vitrain.models.layers import Attention
 from vitrain.precision import PrecisionPolicy
@@ -67,6 +68,8 @@ def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy)
     device, dtype = policy.device, policy.weights_dtype
     generator = torch.Generator(device=device).manual_seed(0)
     module = Attention(width, heads, impl=impl, device=device, dtype=dtype)
+    if kernels.wanted(device, policy.dtype):  # as the run will convert its model
+        kernels.convert(module)
     x = torch.randn(batch, tokens, width, device=device, dtype=dtype, generator=generator, requires_grad=True)
     context = policy.training_context()
 

@@ -4,8 +4,8 @@
 
 1. **model**: seeded, built on the meta device (``model.attn_impl=auto`` chooses attention there),
    materialized on the run's device and initialized (:func:`build_model_for`);
-2. **converters**: changes applied to the built model from outside: the fused CPU kernels' mode and
-   channels-last weights (:func:`_apply_converters`);
+2. **converters**: changes applied to the built model from outside: the fused CPU kernels
+   (:func:`vitrain.kernels.convert`) and channels-last weights (:func:`_apply_converters`);
 3. **parallelism**: first the precision policy's weights (O2: a low-precision copy of the model, the
    module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
    module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
@@ -85,6 +85,7 @@ def build_run(plan: Plan) -> Run:
 def build_training_step(plan: Plan) -> TrainStep:
     """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them."""
     configure_host_allocator(plan.runtime.host_allocator)  # before the step's first allocations
+    kernels.set_mode(plan.runtime.cpu_kernels)  # before the model: the attention probe times with it
     torch.manual_seed(plan.seed)
     model = build_model_for(plan)  # 1
     _apply_converters(model, plan)  # 2
@@ -124,13 +125,15 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
 
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:
-    """Stage 2, the converters: what changes how the built model computes, applied from outside it (the
-    fused CPU kernels' mode, built and probed here before any clock; channels-last weights)."""
+    """Stage 2: what changes how the built model computes, applied from outside it: the fused CPU
+    kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU,
+    ``train.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
+    channels-last weights."""
     policy = plan.precision
-    kernels.set_mode(plan.runtime.cpu_kernels)
     cpu_features.warn_if_bf16_emulated(policy.device, policy.dtype)
-    if policy.device == "cpu" and policy.dtype == "bf16" and policy.mode != "autocast":
-        kernels.paths()  # where they will apply: build (or load the cached build) and probe before any clock
+    if kernels.wanted(policy.device, policy.dtype):
+        kernels.paths()  # where they will apply: probed once, before any clock
+        kernels.convert(model)
     if plan.runtime.channels_last:  # in place: same parameter objects, NHWC strides
         model.to(memory_format=torch.channels_last)
 

@@ -1,0 +1,178 @@
+"""Building and loading the kernels' C++ extension: compiler flags per vector ISA, torch's JIT
+extension cache, and the fallback to PyTorch's ops (with one warning naming the cause) when the
+extension cannot be built.
+
+The sources beside this file are compiled on first use by torch's JIT extension loader for the host's
+vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C++) and cached by torch
+under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); building needs a C++ compiler
+and ninja (a dependency of the package). ``train.cpu_kernels=fused`` makes a failed build an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from vitrain import cpu_features
+
+log = logging.getLogger("vitrain")
+
+Mode = Literal["auto", "fused", "native"]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "module.cpp",
+        "layer_norm.cpp",
+        "gelu.cpp",
+        "linear.cpp",
+        "weight_gradient.cpp",
+        "depthwise.cpp",
+        "attention.cpp",
+    )
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "common.h", "tiles.h")]
+
+_mode: Mode = "auto"
+_module: ModuleType | None = None
+_failure: str | None = None
+_lock = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    """``train.cpu_kernels=fused`` but the extension could not be built or loaded."""
+
+
+def _compile_flags(capability: str) -> list[str]:
+    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}"]
+    if capability.startswith("AVX512"):  # what ATen's own AVX512 kernels are compiled with
+        flags += ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+        flags += ["-mamx-tile", "-mamx-bf16"]  # the attention's AMX path, taken only where the CPU has AMX
+    elif capability == "AVX2":
+        flags += ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _build() -> ModuleType:
+    # importing cpp_extension warns that no CUDA runtime was found: irrelevant to a CPU extension
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
+
+    missing = [path.name for path in SOURCES + HEADERS if not path.is_file()]
+    if missing:  # an install that left them out; the compiler's own message would not say so
+        raise FileNotFoundError(
+            f"kernel sources missing from {Path(__file__).parent}: {', '.join(missing)}; reinstall vitrain"
+        )
+    capability = torch.backends.cpu.get_cpu_capability()
+    capability = "AVX512" if capability.startswith("AVX512") else capability  # AVX512 / AVX2 / DEFAULT
+    return cpp_extension.load(
+        name=f"vitrain_cpu_kernels_{capability.lower()}",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=_compile_flags(capability),
+        extra_ldflags=["-fopenmp"],
+        verbose=os.environ.get("VITRAIN_KERNELS_VERBOSE") == "1",
+    )
+
+
+def set_mode(mode: Mode) -> None:
+    """``auto``: use the kernels where they apply if they build; ``fused``: build now, fail loudly if
+    they cannot; ``native``: PyTorch's ops only (``train.cpu_kernels``)."""
+    global _mode
+    if mode not in ("auto", "fused", "native"):
+        raise ValueError(f"cpu kernels mode must be auto, fused or native, not {mode!r}")
+    _mode = mode
+    if mode == "fused" and load() is None:
+        raise KernelBuildError(
+            f"train.cpu_kernels=fused, but the fused CPU kernels could not be built: {_failure}. "
+            "Install a C++ compiler (g++) and ninja, or set train.cpu_kernels=auto to fall back to PyTorch's ops."
+        )
+
+
+def load() -> ModuleType | None:
+    """The compiled extension (built on the first call), or None when it cannot be built."""
+    global _module, _failure
+    if _module is not None or _failure is not None:
+        return _module
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build()
+            except Exception as error:  # noqa: BLE001 - any build failure falls back to native ops
+                _failure = (
+                    f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+                )
+                log.warning("fused CPU kernels unavailable, using PyTorch's ops (%s)", _failure)
+    return _module
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    """The fused paths this process takes beyond the kernels' portable C++, decided once by
+    :func:`paths` from what this CPU and this build of torch support; where one is not taken,
+    PyTorch's ops (or the kernels' portable path) run instead."""
+
+    bias_in_product: bool
+    """Linear layers add the bias inside oneDNN's bf16 product (``cpu_features.onednn_bf16_linear``)."""
+    amx_tiles: bool
+    """Attention and weight gradients on AMX tiles: the CPU has AMX-BF16, the kernels were built with
+    it, and ``VITRAIN_AMX`` does not forbid it."""
+
+
+_paths: Paths | None = None
+
+
+def paths() -> Paths:
+    """:class:`Paths` for this process, decided on the first call (the extension is built first if it
+    is not yet); a plain global rather than ``functools.cache`` so that ``torch.compile`` reads it."""
+    global _paths
+    if _paths is None:
+        _paths = _decide_paths()
+    return _paths
+
+
+def reset_paths() -> None:
+    """Decide :func:`paths` again on the next call (tests that patch what the CPU supports)."""
+    global _paths
+    _paths = None
+
+
+def _decide_paths() -> Paths:
+    module = load()
+    chosen = Paths(
+        bias_in_product=cpu_features.onednn_bf16_linear(),
+        amx_tiles=module is not None and cpu_features.amx_allowed() and bool(module.amx_available()),
+    )
+    if module is not None:
+        log.debug(
+            "fused CPU kernels: bias inside oneDNN's bf16 product %s, AMX tiles %s",
+            "yes" if chosen.bias_in_product else "no (PyTorch's F.linear)",
+            "yes" if chosen.amx_tiles else "no (feature-major copies, explicit or SDPA attention)",
+        )
+    return chosen
+
+
+def extension() -> ModuleType | None:
+    """The loaded extension, without building it: None until :func:`load` succeeded. What the ops
+    check on every call (cheap, and traceable by ``torch.compile``)."""
+    return _module
+
+
+def current_mode() -> Mode:
+    return _mode
+
+
+def wanted(device: str, precision: str) -> bool:
+    """Whether a run on ``device`` in ``precision`` converts its model to the kernels: bf16 on CPU,
+    ``train.cpu_kernels`` not ``native``, and the extension builds (or loads from torch's cache)."""
+    return device == "cpu" and precision == "bf16" and _mode != "native" and load() is not None
