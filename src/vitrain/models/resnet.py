@@ -100,15 +100,21 @@ class ResNet(torchvision.models.ResNet):
         """The residual blocks: units of FSDP sharding and activation checkpointing."""
         return [block for stage in self._stages() for block in stage]
 
+    @property
+    def num_layers(self) -> int:
+        """Layers between the stem and the classifier, as :meth:`layer_id` counts them: the residual blocks."""
+        return sum(RESNET_LAYOUTS[self.args.depth][1])
+
     def layer_id(self, param_name: str) -> int:
-        """Depth of a parameter for layer-wise LR decay: 0 stem, i+1 residual block i, last fc."""
+        """Depth of a parameter for layer-wise LR decay: 0 stem, i+1 residual block i (counted over all
+        stages), ``num_layers + 1`` the classifier; timm's fine ``group_matcher`` numbering."""
         layers = RESNET_LAYOUTS[self.args.depth][1]
         if param_name.startswith(("conv1.", "bn1.")):
             return 0
         if param_name.startswith("layer"):
             stage, index = param_name.split(".")[:2]
             return sum(layers[: int(stage.removeprefix("layer")) - 1]) + int(index) + 1
-        return sum(layers) + 1
+        return self.num_layers + 1
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """The feature map after the last stage, ``(batch, channels, H/32, W/32)``, before pooling."""

@@ -114,13 +114,19 @@ class VisionTransformer(nn.Module):
         """The repeated blocks: units of FSDP sharding and activation checkpointing."""
         return list(self.blocks)
 
+    @property
+    def num_layers(self) -> int:
+        """Layers between the embeddings and the head, as :meth:`layer_id` counts them: the blocks."""
+        return self.args.depth
+
     def layer_id(self, param_name: str) -> int:
-        """Depth of a parameter for layer-wise LR decay: 0 embeddings, i+1 block i, depth+1 head."""
+        """Depth of a parameter for layer-wise LR decay (BEiT's numbering): 0 embeddings, i+1 block i,
+        ``num_layers + 1`` the final norm and the head."""
         if param_name.startswith(("patch_embed", "cls_token", "pos_embed")):
             return 0
         if param_name.startswith("blocks."):
             return int(param_name.split(".")[1]) + 1
-        return self.args.depth + 1
+        return self.num_layers + 1
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         x, grid = self.patch_embed(images)

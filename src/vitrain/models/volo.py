@@ -490,15 +490,22 @@ class VOLO(nn.Module):
         blocks = [block for layer in self.network if isinstance(layer, nn.Sequential) for block in layer]
         return blocks + list(self.post_network)
 
+    @property
+    def num_layers(self) -> int:
+        """Layers between the embeddings and the heads, as :meth:`layer_id` counts them: every block
+        (outlooker, transformer, class attention) and every downsampling."""
+        return len(self._layer_ids)
+
     def layer_id(self, param_name: str) -> int:
         """Depth for layer-wise LR decay: 0 stem and embeddings (CLS token included), then one id per
-        block or downsampling in the order they run, the last id for the final norm and the heads."""
+        block or downsampling in the order they run (timm's fine ``group_matcher``), ``num_layers + 1``
+        for the final norm and the heads."""
         if param_name.startswith(("patch_embed.", "pos_embed", "cls_token")):
             return 0
         for prefix, layer_id in self._layer_ids.items():
             if param_name.startswith(prefix):
                 return layer_id
-        return len(self._layer_ids) + 1
+        return self.num_layers + 1
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Images -> (B, 1 + patches, D) tokens after the final norm, CLS token first."""
