@@ -10,10 +10,13 @@ import torch
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
 from vitrain.cli import main
-from vitrain.config import ConfigError
+from vitrain.config import Config, ConfigError
+from vitrain.metrics import read_jsonl
 from vitrain.models import load_pretrained, resample_pos_embed
 from vitrain.train import make_plan, train
 from vitrain.train.build import apply_init_from, build_run
+from vitrain.train.schedule import scheduled_lr
+from vitrain.train.state import TrainState
 
 
 @pytest.fixture
@@ -62,6 +65,26 @@ def test_finetune_command_trains_from_the_checkpoint(pretrained, tmp_path, capsy
     assert finetuned["config"]["data"]["image_size"] == 21
     assert finetuned["config"]["train"]["init_from"] == str(checkpoint)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final_top1"] is not None
+
+
+def test_finetune_with_layer_decay_gives_each_layer_the_scheduled_lr_times_its_scale(pretrained, tmp_path):
+    """BEiT-style fine-tuning: the head at the scheduled LR, each layer below at 0.65 times the one above."""
+    _, checkpoint = pretrained
+    out_dir = tmp_path / "decayed"
+    settings = ["optim.layer_decay=0.65", "train.steps=3", "train.log_every_steps=1", f"train.out_dir={out_dir}"]
+    assert (
+        main(["finetune", "--from", str(checkpoint), *[arg for setting in settings for arg in ("--set", setting)]]) == 0
+    )
+    finetuned = load_checkpoint(out_dir / "checkpoints" / "step-000000003.pt")
+    plan = make_plan(Config.model_validate(finetuned["config"]))
+    last_lr = scheduled_lr(plan.schedule, TrainState(step=2), 0.0)  # set before the third step (warmup)
+    assert 0 < last_lr < plan.schedule.lr
+    groups = finetuned["optimizer"]["param_groups"]
+    assert sorted({group["lr_scale"] for group in groups}) == pytest.approx([0.65**k for k in range(7, -1, -1)])
+    for group in groups:
+        assert group["lr"] == pytest.approx(last_lr * group["lr_scale"], rel=1e-12)
+    lrs = [record["lr"] for record in read_jsonl(out_dir / "metrics.jsonl") if record["event"] == "train"]
+    assert len(lrs) == 3 and lrs[-1] == pytest.approx(last_lr, rel=1e-12)  # the metrics show the head's LR
 
 
 def test_init_from_another_architecture_is_a_clear_error(pretrained, small_synthetic_overrides, tmp_path):

@@ -26,6 +26,8 @@ SCENARIOS = {
     "muon": (["optim.name=muon", "train.epochs=2"], [9]),
     # LAMB's per-tensor step counts and moments (multi-tensor update), resumed mid-epoch
     "lamb": (["optim.name=lamb", "train.epochs=2"], [9]),
+    # layer-wise LR decay: a group per layer and weight-decay kind, each with its LR scale
+    "layer-decay": (["optim.layer_decay=0.75", "train.epochs=2"], [9]),
     # explicit stages ending mid-epoch at steps 8 (14 -> 21 px) and 21 (21 -> 28 px, batch 8 -> 16)
     "curriculum": (
         [

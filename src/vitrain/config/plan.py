@@ -165,6 +165,8 @@ class OptimizerPlan:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    layer_decay: float
+    """Per-layer LR factor (1.0: off); each parameter group's ``lr_scale`` is a power of it."""
     momentum: float
     muon_momentum: float
     ns_steps: int

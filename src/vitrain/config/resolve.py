@@ -457,6 +457,7 @@ def _optimizer_plan(config: Config, lr: float) -> parts.OptimizerPlan:
         betas=tuple(optim.betas),
         eps=optim.eps,
         weight_decay=optim.weight_decay,
+        layer_decay=optim.layer_decay,
         momentum=optim.momentum,
         muon_momentum=optim.muon_momentum,
         ns_steps=optim.ns_steps,

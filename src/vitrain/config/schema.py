@@ -117,6 +117,9 @@ class OptimConfig(Section):
     """Batch size at which optim.lr applies (lr = lr * global_batch / reference_batch)."""
     weight_decay: float = Field(0.05, ge=0.0)
     """Decoupled weight decay (LAMB: L2 inside its update); never on norms, biases, position embeddings or tokens."""
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Layer-wise LR decay for fine-tuning: layer i of L below the head trains at lr * layer_decay^(L + 1 - i)
+    (BEiT, DeiT III: 0.65-0.75); 1.0 turns it off."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     eps: float = Field(1e-8, gt=0.0)

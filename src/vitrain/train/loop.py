@@ -31,7 +31,7 @@ from vitrain.train.build import (
     warm_up_compiled_shapes,
 )
 from vitrain.train.evaluate import evaluate
-from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr
+from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr, scheduled_lr_of
 from vitrain.train.signals import Preempted, StopSignals
 from vitrain.train.skips import SkipCounter
 from vitrain.train.state import TrainState
@@ -201,7 +201,7 @@ class Trainer:
             "step": state.step,
             "epoch": self._epoch(),
             "loss": loss_value if math.isfinite(loss_value) else None,  # None: the last step was skipped
-            "lr": self.run.optimizer.param_groups[0]["lr"],
+            "lr": scheduled_lr_of(self.run.optimizer),
             "grad_norm": grad_norm_value if math.isfinite(grad_norm_value) else None,
             "skipped_steps": state.skipped_steps,
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
@@ -223,7 +223,7 @@ class Trainer:
         raise TrainingDiverged(
             f"{longest} steps in a row had a non-finite loss or gradient norm and were skipped "
             f"(train.max_skipped_steps={limit}); stopped at step {state.step} with loss {loss_value}, "
-            f"grad norm {grad_norm_value}, lr {self.run.optimizer.param_groups[0]['lr']:.3g}; skipped steps "
+            f"grad norm {grad_norm_value}, lr {scheduled_lr_of(self.run.optimizer):.3g}; skipped steps "
             f"change no weights; last complete checkpoint: {find_latest_checkpoint(self.plan.out_dir) or 'none'}; "
             "lower optim.lr, keep optim.grad_clip set, or use precision=bf16/fp32"
         )

@@ -1,10 +1,12 @@
-"""Optimizer construction: parameter groups with weight-decay exclusion, Muon for the hidden matrices
-(``optim.name=muon``) and LAMB for large batches (``optim.name=lamb``)."""
+"""Optimizer construction: parameter groups with weight-decay exclusion and layer-wise LR decay
+(``optim.layer_decay``), Muon for the hidden matrices (``optim.name=muon``) and LAMB for large
+batches (``optim.name=lamb``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -39,21 +41,57 @@ def adam_state(state: dict, parameter: torch.Tensor, step_device: torch.device |
     return state
 
 
-def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and conv kernels; never norms, biases, position embeddings or tokens."""
+NamedParameters = list[tuple[str, nn.Parameter]]
+
+
+def trainable_parameters(model: nn.Module) -> NamedParameters:
+    return [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+
+
+def split_weight_decay(model: nn.Module, named: NamedParameters, weight_decay: float) -> list[dict]:
+    """[decayed, not decayed]: decay matrices and conv kernels; never norms, biases, position
+    embeddings or tokens (``model.no_weight_decay()``)."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        if parameter.ndim <= 1 or name in skip:
-            no_decay.append(parameter)
-        else:
-            decay.append(parameter)
+    decay = [parameter for name, parameter in named if parameter.ndim > 1 and name not in skip]
+    chosen = {id(parameter) for parameter in decay}
+    no_decay = [parameter for _, parameter in named if id(parameter) not in chosen]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def layer_lr_scale(layer_id: int, num_layers: int, layer_decay: float) -> float:
+    """``layer_decay ** (num_layers + 1 - layer_id)``: 1 for the head, one more factor per layer below it
+    down to the embeddings (ELECTRA's layer-wise LR decay, Clark et al. 2020, as BEiT, Bao et al. 2022,
+    fine-tunes ViTs; timm's ``param_groups_layer_decay``)."""
+    return layer_decay ** (num_layers + 1 - layer_id)
+
+
+def split_by_layer(
+    model: nn.Module, named: NamedParameters, layer_decay: float, split: Callable[[NamedParameters], list[dict]]
+) -> list[dict]:
+    """``split``'s groups for each layer (``model.layer_id``), from the embeddings to the head, each
+    with its ``lr_scale``, the factor :func:`vitrain.train.schedule.apply_lr` multiplies the
+    scheduled LR by. Empty groups are left out."""
+    by_layer: dict[int, NamedParameters] = {}
+    for name, parameter in named:
+        by_layer.setdefault(model.layer_id(name), []).append((name, parameter))
+    groups = []
+    for layer_id in sorted(by_layer):
+        scale = layer_lr_scale(layer_id, model.num_layers, layer_decay)
+        groups.extend({**group, "lr_scale": scale} for group in split(by_layer[layer_id]) if group["params"])
+    return groups
+
+
+def build_param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
+    """The weight-decay split (:func:`split_weight_decay`); with ``layer_decay < 1`` that split within
+    each layer, each group scaled by :func:`layer_lr_scale`."""
+    named = trainable_parameters(model)
+    split = partial(split_weight_decay, model, weight_decay=weight_decay)
+    if layer_decay == 1.0:
+        return split(named)
+    return split_by_layer(model, named, layer_decay, split)
 
 
 def is_hidden_matrix(parameter: torch.Tensor) -> bool:
@@ -63,21 +101,24 @@ def is_hidden_matrix(parameter: torch.Tensor) -> bool:
     return parameter.ndim == 2 or (parameter.ndim > 2 and parameter.shape[1] > 1)
 
 
-def build_muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def build_muon_param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
     """Muon for the hidden matrices of the repeated blocks (``model.block_modules()``); AdamW for the
     rest: the input embedding and the classifier (Muon's authors keep the first and last layer on
-    AdamW), norms, biases, position embeddings, tokens and depthwise kernels."""
+    AdamW), norms, biases, position embeddings, tokens and depthwise kernels. With ``layer_decay < 1``
+    both kinds are split by layer, as :func:`build_param_groups` does."""
     in_blocks = {id(p) for block in model.block_modules() for p in block.parameters()}
-    muon = [
-        parameter
-        for parameter in model.parameters()
-        if parameter.requires_grad and id(parameter) in in_blocks and is_hidden_matrix(parameter)
-    ]
-    chosen = {id(p) for p in muon}
-    groups = [{"params": muon, "weight_decay": weight_decay, "use_muon": True}]
-    for group in build_param_groups(model, weight_decay):
-        group["params"] = [p for p in group["params"] if id(p) not in chosen]
-        groups.append(group)
+
+    def split(named: NamedParameters) -> list[dict]:
+        muon = [parameter for _, parameter in named if id(parameter) in in_blocks and is_hidden_matrix(parameter)]
+        chosen = {id(parameter) for parameter in muon}
+        rest = [(name, parameter) for name, parameter in named if id(parameter) not in chosen]
+        return [
+            {"params": muon, "weight_decay": weight_decay, "use_muon": True},
+            *split_weight_decay(model, rest, weight_decay),
+        ]
+
+    named = trainable_parameters(model)
+    groups = split(named) if layer_decay == 1.0 else split_by_layer(model, named, layer_decay, split)
     return [group for group in groups if group["params"]]
 
 
@@ -264,9 +305,9 @@ def build_optimizer(model: nn.Module, optim: OptimizerPlan, precision: Precision
     if optim.name == "muon":
         # Newton-Schulz in bf16 where the run computes in bf16 (the device has it natively), else fp32
         dtype = torch.bfloat16 if precision.dtype == "bf16" else torch.float32
-        groups = build_muon_param_groups(model, optim.weight_decay)
+        groups = build_muon_param_groups(model, optim.weight_decay, optim.layer_decay)
         return MuonAdamW(groups, optim.lr, optim.betas, optim.eps, optim.muon_momentum, optim.ns_steps, dtype, **flags)
-    groups = build_param_groups(model, optim.weight_decay)
+    groups = build_param_groups(model, optim.weight_decay, optim.layer_decay)
     if optim.name == "lamb":  # no fused LAMB in torch: multi-tensor unless one tensor at a time is asked for
         foreach = optim.implementation != "for-loop"
         return Lamb(groups, optim.lr, optim.betas, optim.eps, optim.weight_decay, foreach=foreach)

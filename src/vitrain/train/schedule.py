@@ -54,5 +54,13 @@ def scheduled_lr(schedule: SchedulePlan, state: TrainState, train_s: float) -> f
 
 
 def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's LR to the scheduled ``lr`` times the group's ``lr_scale`` (layer-wise LR
+    decay, ``optim.layer_decay``; 1 where a group has none)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def scheduled_lr_of(optimizer: torch.optim.Optimizer) -> float:
+    """The LR last set by :func:`apply_lr` before any group's scale: the head's under layer decay."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
