@@ -66,6 +66,17 @@ def test_sharded_strategies_match_one_process(reference, tmp_path, nproc, settin
     assert [record["num_samples"] for record in evals] == [30, 30, 30]  # TP peers counted once
 
 
+def test_fsdp_with_layer_decay_matches_one_process(reference, tmp_path):
+    """Layer-decay groups are formed by parameter name after sharding: the shards train at their layers' LRs."""
+    decay = "optim.layer_decay=0.5"
+    single = tmp_path / "single"
+    _train_in_one_process(single, HEADS, decay)
+    out_dir = _run(tmp_path / "fsdp", 2, "parallel.strategy=fsdp", decay)
+    _assert_close(_final_weights(out_dir), _final_weights(single))
+    decayed, plain = _final_weights(out_dir)["pos_embed"], _final_weights(reference)["pos_embed"]
+    assert not torch.allclose(decayed, plain, rtol=1e-4, atol=2e-5)  # the embeddings took smaller steps
+
+
 def test_fsdp_checkpoint_resumes_in_one_process_and_fsdp_tp_in_tp(reference, tmp_path):
     """Save at world 2 (FSDP) -> load at world 1; save at world 4 (FSDP x TP) -> load at world 2 (TP)."""
     fsdp = _run(tmp_path / "fsdp", 2, "parallel.strategy=fsdp")
