@@ -26,6 +26,16 @@ from vitrain.data.transforms import (
 )
 from vitrain.train import make_plan
 
+PER_IMAGE_RECIPE = [
+    "data.repeated_aug=3",
+    "data.randaugment=rand-m9-mstd0.5-inc1",
+    "data.three_augment=true",
+    "data.color_jitter=0.3",
+    "data.crop_pct=1.15",
+    "data.limit_train=192",  # per-image work is slow: three global batches of Fashion-MNIST
+]
+"""DeiT III-style per-image augmentation with repeated augmentation, and a padded eval crop."""
+
 
 def _collect(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(images.clone(), labels.clone()) for images, labels in loader]
@@ -69,13 +79,15 @@ def test_imagefolder_classes_sorted_and_non_images_skipped(tiny_imagefolder):
     assert (info.num_train, info.num_eval, info.num_classes, info.channels) == (18, 6, 3, 3)
 
 
-def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder):
+@pytest.mark.parametrize("recipe", [[], PER_IMAGE_RECIPE], ids=["batch-augment", "per-image-augment"])
+def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder, recipe):
     overrides = [
         "data.name=imagefolder",
         f"data.root={tiny_imagefolder}",
         "data.image_size=16",
         "train.batch_size=4",
         "model.patch_size=4",
+        *recipe,
     ]
     plans = [make_plan(make_config(*overrides, f"data.num_workers={workers}")) for workers in (0, 2)]
     batches = []
@@ -248,17 +260,6 @@ def test_jpeg_decodes_at_reduced_scale_for_small_outputs(tmp_path):
     assert decoded_size(40) == (64, 48)  # 1/4 scale: the short side 48 >= 40
     assert decoded_size(90) == (128, 96)  # 1/2 scale: 96 >= 90
     assert decoded_size(200) == (256, 192)  # no reduction when the output needs every pixel
-
-
-PER_IMAGE_RECIPE = [
-    "data.repeated_aug=3",
-    "data.randaugment=rand-m9-mstd0.5-inc1",
-    "data.three_augment=true",
-    "data.color_jitter=0.3",
-    "data.crop_pct=1.15",
-    "data.limit_train=192",  # per-image work is slow: three global batches of Fashion-MNIST
-]
-"""DeiT III-style per-image augmentation with repeated augmentation, and a padded eval crop."""
 
 
 @pytest.mark.parametrize("recipe", [[], PER_IMAGE_RECIPE], ids=["batch-augment", "per-image-augment"])
