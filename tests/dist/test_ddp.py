@@ -139,6 +139,18 @@ def test_ddp_with_muon_matches_one_process(tmp_path):
     assert any("momentum_buffer" in state for state in trained.values())  # Muon's state, not AdamW's alone
 
 
+def test_ddp_with_per_image_augmentation_matches_one_process(tmp_path):
+    """RandAugment, 3-Augment and color jitter are seeded per image and repeated augmentation orders the
+    epoch before it is split, so each rank augments its slice as one process does."""
+    recipe = ("data.randaugment=rand-m9-mstd0.5-inc1", "data.three_augment=true", "data.color_jitter=0.3")
+    recipe += ("data.repeated_aug=3",)
+    result = torchrun(["train", *_set_args(_overrides(tmp_path / "ddp", *recipe))])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _train_in_one_process(tmp_path / "single", *recipe)
+    final = "checkpoints/step-000000018.pt"
+    _assert_close(_weights(tmp_path / "ddp" / final), _weights(tmp_path / "single" / final))
+
+
 def test_a_checkpoint_from_two_processes_resumes_in_one(two_process_run, tmp_path):
     out_dir, _ = two_process_run
     resumed = tmp_path / "resumed"

@@ -26,6 +26,16 @@ from vitrain.data.transforms import (
 )
 from vitrain.train import make_plan
 
+PER_IMAGE_RECIPE = [
+    "data.repeated_aug=3",
+    "data.randaugment=rand-m9-mstd0.5-inc1",
+    "data.three_augment=true",
+    "data.color_jitter=0.3",
+    "data.crop_pct=1.15",
+    "data.limit_train=192",  # per-image work is slow: three global batches of Fashion-MNIST
+]
+"""DeiT III-style per-image augmentation with repeated augmentation, and a padded eval crop."""
+
 
 def _collect(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(images.clone(), labels.clone()) for images, labels in loader]
@@ -69,13 +79,15 @@ def test_imagefolder_classes_sorted_and_non_images_skipped(tiny_imagefolder):
     assert (info.num_train, info.num_eval, info.num_classes, info.channels) == (18, 6, 3, 3)
 
 
-def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder):
+@pytest.mark.parametrize("recipe", [[], PER_IMAGE_RECIPE], ids=["batch-augment", "per-image-augment"])
+def test_imagefolder_loader_shapes_and_worker_determinism(tiny_imagefolder, recipe):
     overrides = [
         "data.name=imagefolder",
         f"data.root={tiny_imagefolder}",
         "data.image_size=16",
         "train.batch_size=4",
         "model.patch_size=4",
+        *recipe,
     ]
     plans = [make_plan(make_config(*overrides, f"data.num_workers={workers}")) for workers in (0, 2)]
     batches = []
@@ -181,7 +193,9 @@ def test_per_sample_translate_and_erase_follow_the_batch_rules():
     image = Image.fromarray(np.random.default_rng(0).integers(1, 256, (28, 28), dtype=np.uint8))
     original = v2.PILToTensor()(image)
     torch.manual_seed(0)
-    assert all(_shift_of(original, build_train_transform(config)(image), 2) is not None for _ in range(20))
+    assert all(
+        _shift_of(original, build_train_transform(config, (0.5, 0.5, 0.5))(image), 2) is not None for _ in range(20)
+    )
     erase = RandomErase(1.0)
     assert not torch.equal(erase(original), original)
 
@@ -248,8 +262,9 @@ def test_jpeg_decodes_at_reduced_scale_for_small_outputs(tmp_path):
     assert decoded_size(200) == (256, 192)  # no reduction when the output needs every pixel
 
 
+@pytest.mark.parametrize("recipe", [[], PER_IMAGE_RECIPE], ids=["batch-augment", "per-image-augment"])
 @pytest.mark.parametrize("source", ["memory", "files"])
-def test_ranks_take_slices_of_the_same_global_batches(source, tiny_fmnist, tiny_imagefolder):
+def test_ranks_take_slices_of_the_same_global_batches(source, recipe, tiny_fmnist, tiny_imagefolder):
     """Two ranks' batches, put side by side, are the one-process batches (images and labels), and
     their eval shards cover the eval set once; also from a mid-epoch position."""
     from vitrain.config import World
@@ -259,7 +274,7 @@ def test_ranks_take_slices_of_the_same_global_batches(source, tiny_fmnist, tiny_
     else:
         overrides = ["data.name=imagefolder", f"data.root={tiny_imagefolder}", "data.image_size=16"]
         overrides += ["train.batch_size=4", "train.eval_batch_size=4", "data.num_workers=0", "model.patch_size=4"]
-    config = make_config(*overrides, "data.translate=2", "data.random_erase=0.5")  # random draws are global too
+    config = make_config(*overrides, "data.translate=2", "data.random_erase=0.5", *recipe)  # global draws too
 
     def batches(world, start=0):
         train, evaluation = build_loaders(make_plan(config, world).data)

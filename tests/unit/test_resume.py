@@ -20,6 +20,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCENARIOS = {
     # 3 epochs of 6 steps, dropout and stochastic depth (RNG state), resumed mid-epoch and at epoch ends
     "epochs": (["model.drop_rate=0.1", "model.drop_path_rate=0.1"], [11, 12, 13]),
+    # DeiT III's data recipe: per-image RandAugment, 3-Augment and color jitter (seeded from Python's and
+    # NumPy's generators too), each image three times per epoch; resumed mid-epoch
+    "augment": (
+        [
+            "data.randaugment=rand-m9-mstd0.5-inc1",
+            "data.three_augment=true",
+            "data.color_jitter=0.3",
+            "data.repeated_aug=3",
+            "train.epochs=2",
+        ],
+        [9],
+    ),
     # fp16 loss scaling: the scaler's scale and growth tracker are part of the state
     "fp16": (["precision=fp16", "train.epochs=2"], [9]),
     # Muon's momentum buffers beside the AdamW moments of the other parameters, resumed mid-epoch

@@ -5,6 +5,7 @@ turns that into a :class:`ConfigError` naming the dotted key."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -48,6 +49,54 @@ class ModelConfig(Section):
     """Stochastic depth rate of the last block (linearly increasing from 0); the variant's when unset."""
 
 
+RANDAUGMENT_FORM = (
+    "the form is timm's: rand, then dash-separated options in any order, e.g. rand-m9-mstd0.5-inc1: "
+    "-m<magnitude, integer >= 0> -n<ops per image, integer >= 1> -p<probability of each op, 0-1> "
+    "-mstd<magnitude std, >= 0; above 100: uniform in 0..m> -mmax<magnitude cap, integer >= 1> "
+    "-inc<0|1: ops whose strength grows with the magnitude> -t<weights|3a|3aw: timm's op set>"
+)
+"""How a RandAugment policy is written, for error messages."""
+
+RANDAUGMENT_OPTIONS = {
+    "m": (int, 0.0, float("inf")),
+    "n": (int, 1.0, float("inf")),
+    "p": (float, 0.0, 1.0),
+    "mstd": (float, 0.0, float("inf")),
+    "mmax": (int, 1.0, float("inf")),
+    "inc": (int, 0.0, 1.0),
+}
+"""The numeric options of timm's ``rand_augment_transform``: type and range of each."""
+
+RANDAUGMENT_OP_SETS = ("weights", "3a", "3aw")
+"""timm's named op sets (-t<name>); any other name would silently fall back to the default set."""
+
+
+def _randaugment_section_problem(section: str) -> str | None:
+    if section.startswith("t"):
+        return None if section[1:] in RANDAUGMENT_OP_SETS else f"unknown op set '{section}'"
+    key, text = re.fullmatch(r"([a-z]*)(.*)", section).groups()
+    if not section:
+        return "an empty option (two dashes in a row, or one at the end)"
+    if key not in RANDAUGMENT_OPTIONS:
+        return f"unknown option '{section}'"
+    kind, low, high = RANDAUGMENT_OPTIONS[key]
+    if not re.fullmatch(r"\d+" if kind is int else r"\d+(\.\d*)?", text):
+        return f"-{key} takes {'an integer' if kind is int else 'a number'}, got '{text}'"
+    return None if low <= kind(text) <= high else f"-{key}{text} is out of range"
+
+
+def randaugment_problem(policy: str) -> str | None:
+    """What is wrong with a RandAugment policy string (None: timm reads it as written)."""
+    head, *sections = policy.split("-")
+    if head != "rand":
+        return f"'{policy}' does not start with 'rand'"
+    keys = [re.match(r"t|[a-z]*", section).group() for section in sections]
+    repeated = next((key for key in keys if key and keys.count(key) > 1), None)
+    if repeated is not None:
+        return f"option -{repeated} is given twice"
+    return next(filter(None, map(_randaugment_section_problem, sections)), None)
+
+
 class DataConfig(Section):
     name: Literal["fashion-mnist", "imagefolder", "synthetic"] = "fashion-mnist"
     """Data source."""
@@ -78,8 +127,22 @@ class DataConfig(Section):
     random_erase: float = Field(0.0, ge=0.0, le=1.0)
     """Probability of random erasing (Zhong et al. 2017, timm's rule): one rectangle of 2-33 % of the
     image, aspect ratio 0.3-3.3, replaced by uniform noise; 0 turns it off."""
-    crop_pct: float = Field(0.875, gt=0.0, le=1.0)
-    """Eval: resize the short side to image_size / crop_pct, then center-crop image_size."""
+    randaugment: str | None = None
+    """RandAugment policy in timm's form, e.g. rand-m9-mstd0.5-inc1 (DeiT's): rand, then -m<magnitude>
+    -n<ops per image> -p<op probability> -mstd<magnitude std> -mmax<magnitude cap> -inc<0|1> -t<op set>;
+    timm's ops, applied per image after the crop (in-memory sources too: docs/data.md); null turns it off."""
+    three_augment: bool = False
+    """3-Augment (DeiT III, Touvron et al. 2022, sec. 3): after the crop each image gets one of grayscale,
+    solarization (threshold 128) or Gaussian blur (sigma 0.1-2), chosen uniformly."""
+    color_jitter: float = Field(0.0, ge=0.0, le=1.0)
+    """Color jitter strength: brightness, contrast and saturation each scaled by a factor drawn from
+    [1 - s, 1 + s], in random order, per image (DeiT III: 0.3 with 3-Augment); 0 turns it off."""
+    repeated_aug: int = Field(1, ge=1)
+    """Repeated augmentation (Hoffer et al. 2020; DeiT uses 3): each epoch takes 1/N of the training images,
+    each N times with its own augmentation, so an epoch keeps its length; 1 turns it off."""
+    crop_pct: float = Field(0.875, gt=0.0, le=2.0)
+    """Eval: resize the short side to image_size / crop_pct, then center-crop image_size; above 1 (VOLO-D5:
+    1.15) the resized image is smaller than the crop and the border is padded with black, as in timm."""
     mean: tuple[float, ...] | None = None
     """Per-channel normalization mean (0..1 scale); the source's default when unset."""
     std: tuple[float, ...] | None = None
@@ -90,6 +153,16 @@ class DataConfig(Section):
     """Synthetic source: number of evaluation samples."""
     synthetic_num_classes: int = Field(10, ge=2)
     """Synthetic source: number of classes."""
+
+    @field_validator("randaugment")
+    @classmethod
+    def _check_randaugment(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        problem = randaugment_problem(value)
+        if problem:
+            raise ValueError(f"{problem}; {RANDAUGMENT_FORM}")
+        return value
 
     @field_validator("scale", "ratio")
     @classmethod

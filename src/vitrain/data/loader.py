@@ -34,13 +34,16 @@ from vitrain.config import ConfigError, DataConfig, DataPlan
 from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
 from vitrain.data.transforms import (
+    augment_each_image,
     batch_eval_resize,
     batch_random_erase,
     batch_random_resized_crop,
     batch_random_translate,
     build_eval_transform,
+    build_per_image_augment,
     build_train_transform,
     eval_resize_size,
+    seeded_sample_rngs,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -56,21 +59,41 @@ def epoch_permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(count, generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
 
 
+def epoch_order(count: int, seed: int, epoch: int, repeats: int = 1) -> torch.Tensor:
+    """The sample index at each position of a training epoch: the epoch's permutation; with repeated
+    augmentation (``repeats`` > 1; Hoffer et al. 2020, DeiT's RASampler) each of its first
+    ceil(count / repeats) samples ``repeats`` times in a row, cut to ``count`` positions, so an epoch
+    keeps its length and the copies of an image fall in the same or the next global batch. Position p
+    holds copy ``p % repeats`` of its sample."""
+    order = epoch_permutation(count, seed, epoch)
+    if repeats == 1:
+        return order
+    return order[: -(-count // repeats)].repeat_interleave(repeats)[:count]
+
+
+def sample_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
+    """The augmentation seed of one occurrence of a sample in an epoch (``copy``: which of its repeats);
+    the first copy's is the seed the sample has without repeated augmentation."""
+    return derive_seed(seed, epoch, index, copy) if copy else derive_seed(seed, epoch, index)
+
+
 class InMemoryLoader:
     """Batches of an in-memory dataset, augmented per batch on the dataset's device."""
 
     def __init__(self, dataset: sources.InMemoryDataset, data: DataPlan, train: bool):
         self.dataset, self.train = dataset, train
         self.rank, self.batches = data.world.data_rank, data.batch
-        self.config = data.source
+        self.config, self.mean, self.channels = data.source, data.mean, data.in_chans
         self.seed = data.seed
-        self.image_size = self.config.image_size
-        self.batch_size = data.batch.global_batch if train else data.batch.eval_batch
+        self.repeats = self.config.repeated_aug if train else 1
         self.epoch, self.start_sample = 0, 0
         self.bad_images = BadImageLog([], 1.0, "in-memory")  # decoded once, nothing to skip
+        self.configure(self.config.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
     def configure(self, image_size: int, batch_size: int) -> None:
         self.image_size, self.batch_size = image_size, batch_size
+        augment = build_per_image_augment(self.config, image_size, self.mean, self.channels)
+        self.per_image = augment if self.train else None
 
     def __len__(self) -> int:
         if self.train:
@@ -88,7 +111,7 @@ class InMemoryLoader:
 
     def _train_batches(self) -> Iterator[Batch]:
         count, batch = len(self.dataset), self.batch_size
-        order = epoch_permutation(count, self.seed, self.epoch)
+        order = epoch_order(count, self.seed, self.epoch, self.repeats)
         device = self.dataset.images.device
         share = self.batches.per_process(batch)
         local = slice(self.rank * share, (self.rank + 1) * share)
@@ -102,8 +125,17 @@ class InMemoryLoader:
                 images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
             )
             images = batch_random_translate(images, self.config.translate, generator)
+            if self.per_image is not None:
+                # seeded per image, so only this rank's slice needs the (slow, per-image) work
+                positions = range(start + local.start, start + local.stop)
+                images[local] = augment_each_image(images[local], self.per_image, self._seeds(order, positions))
             images = batch_random_erase(images, self.config.random_erase, generator)
             yield images[local], labels[local]
+
+    def _seeds(self, order: torch.Tensor, positions: range) -> list[int]:
+        return [
+            sample_seed(self.seed, self.epoch, int(order[position]), position % self.repeats) for position in positions
+        ]
 
     def _eval_batches(self) -> Iterator[Batch]:
         indices = self._eval_indices().to(self.dataset.images.device)
@@ -118,11 +150,14 @@ class SeededSampler(Sampler):
     """Yields ``(index, sample_seed)``: an epoch-seeded permutation (or identity), from a start.
 
     With ``world_size`` > 1, training positions go by global batches of ``batch_size`` and this rank
-    yields its slice of each; evaluation (no shuffle) yields every ``world_size``-th sample."""
+    yields its slice of each; evaluation (no shuffle) yields every ``world_size``-th sample. With
+    ``repeats`` > 1 (training) the order repeats each sample (:func:`epoch_order`), each copy with its
+    own seed."""
 
-    def __init__(self, count: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
+    def __init__(self, count: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, repeats: int = 1):
         self.count, self.seed, self.shuffle = count, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.repeats = repeats if shuffle else 1
         self.epoch, self.start, self.batch_size, self.share = 0, 0, 1, 1
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -148,10 +183,13 @@ class SeededSampler(Sampler):
         return len(self.positions())
 
     def __iter__(self):
-        order = epoch_permutation(self.count, self.seed, self.epoch) if self.shuffle else torch.arange(self.count)
+        if self.shuffle:
+            order = epoch_order(self.count, self.seed, self.epoch, self.repeats)
+        else:
+            order = torch.arange(self.count)
         for position in self.positions():
             index = int(order[position])
-            yield index, derive_seed(self.seed, self.epoch, index)
+            yield index, sample_seed(self.seed, self.epoch, index, position % self.repeats)
 
 
 def draft_size(config: DataConfig, image_size: int, train: bool) -> int:
@@ -261,7 +299,7 @@ class ImageFileDataset(Dataset):
             return self.known_bad[index]
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | None, int, list[BadEvent]]:
-        index, sample_seed = key
+        index, seed = key
         events: list[BadEvent] = []
         attempts = len(self.samples) if self.replace_bad else 1
         for candidate in (index + offset for offset in range(attempts)):
@@ -269,10 +307,9 @@ class ImageFileDataset(Dataset):
             if isinstance(decoded, tuple):
                 events.append(decoded)
                 continue
-            # The transform draws from torch's global RNG; seed it per sample, without disturbing
-            # the caller's stream, so augmentation is independent of workers and restarts.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(sample_seed)
+            # The transform draws from the global RNGs; seeded per sample, without disturbing the
+            # caller's streams, augmentation is independent of workers and restarts.
+            with seeded_sample_rngs(seed):
                 tensor = self.transform(decoded)
             return tensor, self.samples[candidate % len(self.samples)][1], events
         return None, self.samples[index][1], events
@@ -295,7 +332,9 @@ class FileLoader:
         split = "training" if train else "evaluation"
         self.bad_images = BadImageLog(samples, data.source.max_bad_fraction, split)
         world = data.world
-        self.sampler = SeededSampler(len(samples), data.seed, train, world.data_rank, world.data_size)
+        self.sampler = SeededSampler(
+            len(samples), data.seed, train, world.data_rank, world.data_size, data.source.repeated_aug
+        )
         self.image_size, self.batch_size, self.loader = 0, 0, None
         self.configure(data.source.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
@@ -305,7 +344,9 @@ class FileLoader:
         config = self.data.source
         self.image_size, self.batch_size = image_size, batch_size
         transform = (
-            build_train_transform(config, image_size) if self.train else build_eval_transform(config, image_size)
+            build_train_transform(config, self.data.mean, image_size)
+            if self.train
+            else build_eval_transform(config, image_size)
         )
         dataset = ImageFileDataset(
             self.samples,

@@ -4,24 +4,129 @@ Two implementations of the same train/eval geometry:
 - per sample, torchvision v2 on decoded PIL images (file-backed sources, in loader workers);
 - per batch, vectorized on a uint8 tensor (in-memory sources), with a seeded generator per batch,
   so small datasets never touch a Python-per-image loop (the airbench loader idea).
+
+The per-image policies (RandAugment, 3-Augment, color jitter) have no batch form here: both paths
+run the same PIL transform on each image (:func:`build_per_image_augment`), each image under its
+own seeds (:func:`seeded_sample_rngs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import random
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
+from timm.data import auto_augment
 from torchvision.transforms import v2
 
 from vitrain.config import DataConfig
+
+PerImageAugment = Callable[[Image.Image], Image.Image]
 
 
 def eval_resize_size(image_size: int, crop_pct: float) -> int:
     return math.floor(image_size / crop_pct)
 
 
-def build_train_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
+@contextlib.contextmanager
+def seeded_sample_rngs(seed: int) -> Iterator[None]:
+    """Seed the generators a per-image transform draws from, for one sample: torch's CPU generator
+    (torchvision), Python's ``random`` and NumPy's global generator (timm's RandAugment); the caller's
+    states of all three are put back afterwards, so its own stream is not disturbed."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        # the CPU generator alone: torch.manual_seed also queues a seed for every CUDA device, with a
+        # recorded call stack, and costs more than the augmentation of a small image
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def randaugment_hparams(image_size: int, mean: Sequence[float]) -> dict:
+    """The hyper-parameters timm's ``create_transform`` gives RandAugment: translations up to 45 % of
+    the image, the normalization mean (0-255) as the fill of uncovered pixels, and our crop's
+    bilinear resampling for its rotations, shears and translations."""
+    return {
+        "translate_const": int(image_size * 0.45),
+        "img_mean": tuple(min(255, round(255 * value)) for value in mean),
+        "interpolation": Image.BILINEAR,
+    }
+
+
+def _posterize_zero_bits_black(image: Image.Image, bits: int, **kwargs) -> Image.Image:
+    """timm's posterize, where keeping 0 bits gives a black image: what Pillow did before it started
+    refusing bits < 1 (timm's Posterize at magnitude < 2.5 and PosterizeIncreasing at 10 keep 0)."""
+    if bits < 1:
+        return Image.new(image.mode, image.size)
+    return auto_augment.posterize(image, bits, **kwargs)
+
+
+def build_randaugment(policy: str, image_size: int, mean: Sequence[float]) -> auto_augment.RandAugment:
+    """timm's RandAugment for a policy string (``data.randaugment``, checked by the config) and size."""
+    transform = auto_augment.rand_augment_transform(policy, randaugment_hparams(image_size, mean))
+    for op in transform.ops:
+        if op.aug_fn is auto_augment.posterize:
+            op.aug_fn = _posterize_zero_bits_black
+    return transform
+
+
+THREE_AUGMENT_BLUR_SIGMA = (0.1, 2.0)
+"""DeiT III's Gaussian blur radius range (its ``GaussianBlur``, after BYOL's)."""
+
+
+def build_three_augment(image_size: int, channels: int) -> v2.RandomChoice:
+    """3-Augment (DeiT III, sec. 3): grayscale, solarization or Gaussian blur, one chosen uniformly per
+    image. Grayscale keeps the channel count (a no-op on one-channel images)."""
+    # a kernel of +-3 sigma at the largest sigma, capped so the reflection padding fits the image
+    kernel = min(2 * math.ceil(3 * THREE_AUGMENT_BLUR_SIGMA[1]) + 1, 2 * image_size - 1)
+    return v2.RandomChoice(
+        [
+            v2.Grayscale(num_output_channels=channels),
+            v2.RandomSolarize(threshold=128, p=1.0),
+            v2.GaussianBlur(kernel, sigma=THREE_AUGMENT_BLUR_SIGMA),
+        ]
+    )
+
+
+def build_per_image_augment(
+    config: DataConfig, image_size: int, mean: Sequence[float], channels: int
+) -> PerImageAugment | None:
+    """The per-image policies, PIL image in and out, applied after the crop, flip and translation:
+    RandAugment, then 3-Augment, then color jitter (DeiT III's order); None when all are off."""
+    steps: list[PerImageAugment] = []
+    if config.randaugment:
+        steps.append(build_randaugment(config.randaugment, image_size, mean))
+    if config.three_augment:
+        steps.append(build_three_augment(image_size, channels))
+    if config.color_jitter:
+        strength = config.color_jitter
+        steps.append(v2.ColorJitter(brightness=strength, contrast=strength, saturation=strength))
+    return v2.Compose(steps) if steps else None
+
+
+def augment_each_image(images: torch.Tensor, augment: PerImageAugment, seeds: Sequence[int]) -> torch.Tensor:
+    """A per-image PIL augmentation applied to each image of a uint8 batch (on the CPU, one image at a
+    time), each under its own seed: what a file loader worker does to the same image."""
+    augmented = []
+    for image, seed in zip(images.cpu(), seeds, strict=True):
+        with seeded_sample_rngs(seed):
+            augmented.append(v2.functional.pil_to_tensor(augment(v2.functional.to_pil_image(image))))
+    return torch.stack(augmented).to(images.device)
+
+
+def build_train_transform(config: DataConfig, mean: Sequence[float], image_size: int | None = None) -> v2.Compose:
+    """The per-sample training transform of decoded RGB PIL images; ``mean`` is the normalization mean
+    (RandAugment fills uncovered pixels with it)."""
     size = image_size or config.image_size
     steps = [
         v2.RandomResizedCrop(size, scale=config.scale, ratio=config.ratio, antialias=True),
@@ -29,6 +134,9 @@ def build_train_transform(config: DataConfig, image_size: int | None = None) -> 
     ]
     if config.translate:
         steps.append(v2.RandomCrop(size, padding=config.translate))
+    per_image = build_per_image_augment(config, size, mean, channels=3)
+    if per_image is not None:
+        steps.append(per_image)
     steps.append(v2.PILToTensor())
     if config.random_erase:
         steps.append(RandomErase(config.random_erase))
@@ -36,6 +144,7 @@ def build_train_transform(config: DataConfig, image_size: int | None = None) -> 
 
 
 def build_eval_transform(config: DataConfig, image_size: int | None = None) -> v2.Compose:
+    """Resize the short side to size / crop_pct, center-crop (padding with black where crop_pct > 1)."""
     size = image_size or config.image_size
     return v2.Compose(
         [
@@ -155,21 +264,32 @@ class RandomErase:
         return batch_random_erase(image[None], self.probability, torch.default_generator)[0]
 
 
+def _center_crop_or_pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision's CenterCrop on a batch: a side shorter than ``size`` is padded with zeros (the odd
+    pixel after the image), then the centre is cropped (offset rounded)."""
+    height, width = images.shape[-2:]
+    pad_h, pad_w = max(size - height, 0), max(size - width, 0)
+    if pad_h or pad_w:
+        images = F.pad(images, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2))
+        height, width = images.shape[-2:]
+    top, left = int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
+    return images[..., top : top + size, left : left + size]
+
+
 def batch_eval_resize(images: torch.Tensor, size: int, crop_pct: float) -> torch.Tensor:
-    """Resize the short side to size / crop_pct, then center-crop ``size`` (uint8 batch)."""
+    """Resize the short side to size / crop_pct, then center-crop ``size`` (uint8 batch); crop_pct > 1
+    pads the border with black, as timm's eval transform (torchvision's CenterCrop) does."""
     height, width = images.shape[-2:]
     short = eval_resize_size(size, crop_pct)
     if (height, width) == (size, size) and short == size:
         return images
-    # torchvision's Resize(int): the long side is truncated, the crop offset rounded.
+    # torchvision's Resize(int): the long side is truncated
     if height <= width:
         new_h, new_w = short, int(short * width / height)
     else:
         new_h, new_w = int(short * height / width), short
     resized = F.interpolate(images.float(), size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
-    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
-    cropped = resized[..., top : top + size, left : left + size]
-    return cropped.round_().clamp_(0, 255).to(torch.uint8)
+    return _center_crop_or_pad(resized, size).round_().clamp_(0, 255).to(torch.uint8)
 
 
 class Normalize:
