@@ -160,6 +160,26 @@ def test_a_checkpoint_from_two_processes_resumes_in_one(two_process_run, tmp_pat
     _assert_close(_weights(resumed / "checkpoints" / "step-000000018.pt"), _weights(out_dir / "checkpoints" / "step-000000018.pt"))
 
 
+def test_ddp_with_mixing_resumes_to_the_same_weights(two_process_run, tmp_path):
+    """Each rank mixes its own 8 images (pairs within them) with draws from (seed, rank, epoch, step):
+    the 2-process run resumed mid-epoch mixes as it did uninterrupted and ends bitwise equal."""
+    mixing = ("data.mixup=0.8", "data.cutmix=1.0", "data.mix_mode=pair", "train.epochs=2")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = torchrun(["train", *_set_args(_overrides(straight, *mixing, "checkpoint.every_steps=4"))])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "step-000000008.pt").write_bytes(
+        (straight / "checkpoints" / "step-000000008.pt").read_bytes()
+    )
+    result = torchrun(["train", "--resume", "auto", *_set_args(_overrides(resumed, *mixing))])
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = "checkpoints/step-000000012.pt"
+    ours, reference = _weights(resumed / final), _weights(straight / final)
+    assert all(torch.equal(ours[key], reference[key]) for key in reference)
+    unmixed = _weights(two_process_run[0] / final)  # the same run without mixing, at the same step
+    assert not all(torch.allclose(reference[key], unmixed[key], atol=1e-4) for key in reference)
+
+
 def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_path):
     result = torchrun(["train", *_set_args(_overrides(tmp_path / "run", "train.batch_size=15"))])
     assert result.returncode != 0

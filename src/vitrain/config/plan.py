@@ -6,7 +6,8 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
 - :class:`ModelPlan` -> the model build; :class:`BatchPlan` -> every batch size, per process included;
 - :class:`~vitrain.precision.PrecisionPolicy` -> step, optimizer, parallelism, evaluation;
 - :class:`ParallelPlan` -> ``parallelize``; :class:`OptimizerPlan` -> ``build_optimizer``;
-- :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders;
+- :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders
+  (its :class:`MixPlan` -> the batch mixer);
 - :class:`StepPlan`, :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
   process and model conversions, the loop, the checkpoints.
 """
@@ -204,6 +205,23 @@ class SchedulePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixPlan:
+    """Mixup/CutMix of the training batches (``data.mixup``, ``data.cutmix`` and the ``data.mix_*`` keys),
+    with the label smoothing and class count their soft targets need."""
+
+    mixup_alpha: float
+    """Beta(alpha, alpha) of Mixup's lam; 0: no Mixup."""
+    cutmix_alpha: float
+    """Beta(alpha, alpha) of CutMix's lam; 0: no CutMix (1 when cutmix_minmax is set, as timm)."""
+    cutmix_minmax: tuple[float, float] | None
+    prob: float
+    switch_prob: float
+    mode: Literal["batch", "pair", "elem"]
+    label_smoothing: float
+    num_classes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DataPlan:
     """What the loaders need: the data.* settings and the facts resolve derived for them."""
 
@@ -216,6 +234,8 @@ class DataPlan:
     device: str
     world: World
     batch: BatchPlan
+    mixing: MixPlan | None = None
+    """Mixup/CutMix of the training batches, applied by the loop on the device; None: off."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +243,10 @@ class StepPlan:
     """The loss and update settings of the training step besides precision and batch."""
 
     label_smoothing: float
+    """Applied to hard labels; mixed batches carry it inside their soft targets."""
     grad_clip: float | None
+    loss: Literal["ce", "bce"] = "ce"
+    """Softmax cross-entropy, or binary cross-entropy per class (DeiT III)."""
 
 
 @dataclasses.dataclass(frozen=True)

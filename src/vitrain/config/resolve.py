@@ -511,10 +511,45 @@ def _checkpoint_plan(config: Config, checkpoint_format: str) -> parts.Checkpoint
     )
 
 
+def _mix_plan(
+    config: Config, num_classes: int, stages: tuple[Stage, ...], batch: parts.BatchPlan
+) -> parts.MixPlan | None:
+    """Mixup/CutMix of the training batches (None when both are off), after checking that every stage's
+    per-process batch can be paired and every stage's image size can hold a cutmix_minmax box."""
+    data = config.data
+    cutmix_alpha = 1.0 if data.cutmix_minmax is not None else data.cutmix  # timm: minmax turns CutMix on
+    if data.mixup == 0 and cutmix_alpha == 0:
+        return None
+    for stage in stages:
+        share = batch.per_process(stage.batch_size)
+        _require(
+            data.mix_mode == "batch" or share % 2 == 0,
+            f"data.mix_mode={data.mix_mode} pairs the images of each process's batch, but a batch of "
+            f"{stage.batch_size} gives {share} per process; use an even per-process batch or data.mix_mode=batch",
+        )
+        if data.cutmix_minmax is not None:
+            low, high = (int(stage.image_size * fraction) for fraction in data.cutmix_minmax)
+            _require(
+                low < high,
+                f"data.cutmix_minmax={list(data.cutmix_minmax)} leaves no box side to draw at {stage.image_size} px "
+                f"({low} to {low} pixels); widen the range or set data.cutmix_minmax=null",
+            )
+    return parts.MixPlan(
+        mixup_alpha=data.mixup,
+        cutmix_alpha=cutmix_alpha,
+        cutmix_minmax=data.cutmix_minmax,
+        prob=data.mix_prob,
+        switch_prob=data.mix_switch_prob,
+        mode=data.mix_mode,
+        label_smoothing=config.train.label_smoothing,
+        num_classes=num_classes,
+    )
+
+
 def _training_parts(config: Config) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     return (
-        parts.StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip),
+        parts.StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip, loss=train.loss),
         parts.RuntimePlan(
             host_allocator=train.host_allocator, cpu_kernels=train.cpu_kernels, channels_last=train.channels_last
         ),
@@ -555,6 +590,7 @@ def resolve(
     lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
     mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
     step, runtime, loop = _training_parts(config)
+    mixing = _mix_plan(config, data.num_classes, stages, batch)
     return Plan(
         config=config,
         device=device,
@@ -567,7 +603,9 @@ def resolve(
         parallel=parallel,
         optim=_optimizer_plan(config, lr),
         schedule=_schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages),
-        data=parts.DataPlan(config.data, data.channels, mean, std, config.train.seed, device, world, batch),
+        data=parts.DataPlan(
+            config.data, data.channels, mean, std, config.train.seed, device, world, batch, mixing=mixing
+        ),
         step=step,
         runtime=runtime,
         loop=loop,

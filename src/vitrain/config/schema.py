@@ -153,6 +153,27 @@ class DataConfig(Section):
     """Synthetic source: number of evaluation samples."""
     synthetic_num_classes: int = Field(10, ge=2)
     """Synthetic source: number of classes."""
+    mixup: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Mixup alpha (Zhang et al. 2018): blend each image with its partner by lam ~ Beta(alpha, alpha); 0 turns it off."""
+    cutmix: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """CutMix alpha (Yun et al. 2019): paste a box of the partner covering 1 - lam of the image; 0 turns it off."""
+    cutmix_minmax: tuple[float, float] | None = None
+    """CutMix box sides drawn uniformly between these fractions of the image sides, lam from the box area
+    (timm's rule); setting it turns CutMix on, whatever data.cutmix; null: the box from lam."""
+    mix_prob: float = Field(1.0, ge=0.0, le=1.0)
+    """Probability that a batch (mix_mode=batch) or an image or pair is mixed, when mixup or cutmix is on."""
+    mix_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    """With both mixup and cutmix on: probability of CutMix rather than Mixup for each mixing."""
+    mix_mode: Literal["batch", "pair", "elem"] = "batch"
+    """Mixing parameters drawn once per batch, per pair of images, or per image (timm's modes); each image's
+    partner is the one at the mirrored position of this process's batch."""
+
+    @field_validator("cutmix_minmax")
+    @classmethod
+    def _check_minmax(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0 < value[0] < value[1] <= 1:
+            raise ValueError(f"must be (min, max) with 0 < min < max <= 1 (fractions of the image side), got {value}")
+        return value
 
     @field_validator("randaugment")
     @classmethod
@@ -240,7 +261,10 @@ class TrainConfig(Section):
     eval_every_epochs: int = Field(1, ge=0)
     """Evaluate every N epochs (0: only at the end)."""
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
-    """Label smoothing of the cross-entropy loss."""
+    """Label smoothing of the training loss (with mixup/cutmix: of the one-hot targets before they are mixed)."""
+    loss: Literal["ce", "bce"] = "ce"
+    """Training loss: ce (softmax cross-entropy) or bce (DeiT III: binary cross-entropy of each class's logit
+    against the smoothed, possibly mixed, one-hot target; timm's BinaryCrossEntropy without a threshold)."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Gradient accumulation: images per forward/backward on each process; every step accumulates over
     its share of the global batch in pieces of this size (null: the whole share at once)."""

@@ -11,7 +11,7 @@
    module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
-6. **loaders**: training and evaluation data;
+6. **loaders**: training and evaluation data, and the mixer of training batches (Mixup/CutMix);
 7. **checkpoint manager** of the run folder.
 
 ``build_training_step`` is stages 1-5 alone (the benchmarks time its step).
@@ -37,6 +37,7 @@ from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
 from vitrain.config import ConfigError, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
+from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.models import build_model, load_pretrained
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
@@ -62,6 +63,8 @@ class Run:
     normalize: Normalize
     checkpoints: RunCheckpoints
     state: TrainState
+    mixer: BatchMixer | None = None
+    """Mixup/CutMix of the training batches on the device (None: off)."""
 
 
 def build_run(plan: Plan) -> Run:
@@ -79,6 +82,7 @@ def build_run(plan: Plan) -> Run:
         normalize=Normalize(plan.data.mean, plan.data.std, plan.device, plan.runtime.channels_last),
         checkpoints=checkpoints,
         state=TrainState(),
+        mixer=build_mixer(plan.data),
     )
 
 
@@ -104,6 +108,7 @@ def build_training_step(plan: Plan) -> TrainStep:
         low_precision=low_precision,
         forward_module=forward_module,
         agree_on_skip=_agree_across_processes if several else None,
+        loss=plan.step.loss,
     )
     if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, load_resume_payload
 from vitrain.config import Plan, Stage
+from vitrain.data.mixing import mixing_generator
 from vitrain.metrics import JsonlWriter, NullWriter
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
@@ -266,10 +267,9 @@ class Trainer:
             self.window_data_wait_s += self.clock() - waiting_since
             if batch is None:
                 return True
-            images, labels = batch
             apply_lr(run.optimizer, scheduled_lr(plan.schedule, state, self.train_seconds()))
-            images = run.normalize(images.to(plan.device, non_blocking=True))
-            self.last_outputs = run.step_fn(images, labels.to(plan.device, non_blocking=True))
+            images, labels = self._on_device(*batch)
+            self.last_outputs = run.step_fn(images, labels)
             self.skips.add(run.step_fn.skipped)
             state.step += 1
             images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
@@ -283,6 +283,18 @@ class Trainer:
             self._checkpoint_or_stop(progress)
             if self.progress() >= 1.0 or self.current_stage() != self.stage:
                 return False
+
+    def _on_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A loader batch as the step takes it: normalized images on the device and their labels, or, with
+        Mixup/CutMix, the mixed images and soft targets. The mixing draws are a function of (seed, data
+        slice, epoch, step), so a resumed run mixes as the uninterrupted one did."""
+        run, plan, state = self.run, self.plan, self.run.state
+        images = run.normalize(images.to(plan.device, non_blocking=True))
+        labels = labels.to(plan.device, non_blocking=True)
+        if run.mixer is None:
+            return images, labels
+        rng = mixing_generator(plan.seed, plan.world.data_rank, state.epoch, state.step)
+        return run.mixer(images, labels, rng)
 
     def _end_epoch(self, progress: tqdm) -> None:
         state, plan = self.run.state, self.plan

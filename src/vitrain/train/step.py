@@ -13,13 +13,13 @@ import copy
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vitrain.parallel.distributed import holds_dtensors
 from vitrain.precision import PrecisionPolicy
+from vitrain.train.losses import TrainingLoss
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -188,7 +188,9 @@ class TrainStep:
     ``low_precision``: O2's copy from :func:`apply_precision`; ``forward_module``: the module each step
     calls (the model or that copy, possibly wrapped by ``parallelize``); ``micro_batch``: images per
     forward/backward (gradient accumulation; None: the whole batch at once); ``agree_on_skip``: with
-    several processes, makes every process skip when one does (each sees only its own loss)."""
+    several processes, makes every process skip when one does (each sees only its own loss); ``loss``:
+    ``ce`` or ``bce`` (:class:`~vitrain.train.losses.TrainingLoss`): on hard labels with ``label_smoothing``,
+    or on the soft targets of mixed batches, which hold their smoothing."""
 
     def __init__(
         self,
@@ -203,11 +205,12 @@ class TrainStep:
         low_precision: LowPrecisionWeights | None = None,
         forward_module: nn.Module | None = None,
         agree_on_skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        loss: str = "ce",
     ):
         if (low_precision is not None) != (policy.weights == "low_precision_copy"):
             raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
         self.model, self.optimizer, self.scaler, self.policy = model, optimizer, scaler, policy
-        self.label_smoothing, self.grad_clip = label_smoothing, grad_clip
+        self.criterion, self.grad_clip = TrainingLoss(loss, label_smoothing), grad_clip
         self.low_precision = low_precision
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
         if forward_module is None:
@@ -247,7 +250,8 @@ class TrainStep:
             return self.forward_module(images)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on the batch (skipped when the loss or gradient norm is not finite); with
+        """One optimizer step on the batch (``labels``: class indices, or soft targets (B, classes) of a
+        mixed batch), skipped when the loss or gradient norm is not finite; with
         ``micro_batch`` set, gradients are accumulated over micro-batches of that size (each loss weighted
         by its share, so the update is the batch's) and DDP reduces them once, on the last."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -261,7 +265,7 @@ class TrainStep:
             with contextlib.nullcontext() if last else deferred_gradient_sync(self.forward_module):
                 logits = self._forward(piece_images)
                 share = len(piece_labels) / len(labels)
-                piece_loss = F.cross_entropy(logits.float(), piece_labels, label_smoothing=self.label_smoothing) * share
+                piece_loss = self.criterion(logits.float(), piece_labels) * share
                 self.scaler.scale(piece_loss).backward()
             loss += piece_loss.detach()
         if self.low_precision is not None:
