@@ -1,12 +1,12 @@
 """A training run's checkpoints: what each one holds, and saving, finding and resuming them.
 
 A checkpoint holds the model and optimizer tensors (and the weight EMA's, ``ema``, when the run keeps
-one), the loss scaler, the loop state (step, images,
-epoch position, clocks, best accuracy, skip counts), every process's RNG streams, the loaders'
-bad-image logs, the config and the plan's key figures as recorded, and the format string
-:data:`CHECKPOINT_FORMAT`. A single file (:class:`~vitrain.checkpoint.manager.CheckpointManager`)
-holds full tensors; a sharded folder (:mod:`vitrain.checkpoint.sharded`) each process's shards.
-Either resumes at any process count: the loop asks :class:`RunCheckpoints` to save and to resume.
+one), the loss scaler, the loop state (step, images, epoch position, clocks, best accuracy, skip
+counts), every process's RNG streams, the loaders' bad-image logs, the config and the plan's key
+figures as recorded, and the format string :data:`CHECKPOINT_FORMAT`. A single file
+(:class:`~vitrain.checkpoint.manager.CheckpointManager`) holds full tensors; a sharded folder
+(:mod:`vitrain.checkpoint.sharded`) each process's shards. Either resumes at any process count: the
+loop asks :class:`RunCheckpoints` to save and to resume.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class RunCheckpoints:
         return {**tensors, **self.extras(state)}
 
     def extras(self, state: LoopState) -> dict[str, Any]:
-        """The part of a checkpoint that is not model or optimizer tensors (rank 0's)."""
+        """The part of a checkpoint that is not model, optimizer or EMA tensors (rank 0's)."""
         return {
             "format": CHECKPOINT_FORMAT,
             "scaler": self.scaler.state_dict(),
