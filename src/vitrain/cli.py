@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="a checkpoint (runs/.../checkpoints/step-*: file or sharded folder)",
     )
+    _add_weights_argument(evaluate)
     _add_config_arguments(evaluate, with_recipe=False)
 
     export = commands.add_parser(
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* (file or folder)")
     export.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
+    _add_weights_argument(export)
 
     show = commands.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_arguments(show)
@@ -100,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm_parser(commands)
     _add_check_data_parser(commands)
     return parser
+
+
+def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=["live", "ema"],
+        default="live",
+        help="the trained weights (live, default) or their moving average (ema: runs with train.ema_decay)",
+    )
 
 
 def _add_check_data_parser(commands) -> None:
@@ -229,7 +240,9 @@ def processes(config: Config):
 
 def _print_result(summary: dict, world: World) -> None:
     if world.is_main:
-        print(json.dumps({key: summary[key] for key in ("best_top1", "final_top1", "wall_s", "mean_img_s")}))
+        keys = ("best_top1", "final_top1", "wall_s", "mean_img_s")
+        ema = {"final_ema_top1": summary["final_ema_top1"]} if summary["final_ema_top1"] is not None else {}
+        print(json.dumps({**{key: summary[key] for key in keys}, **ema}))
 
 
 def command_train(args: argparse.Namespace) -> int:
@@ -266,7 +279,7 @@ def command_eval(args: argparse.Namespace) -> int:
     from vitrain.train import build_model_for
     from vitrain.train.evaluate import evaluate
 
-    weights, info = read_checkpoint_model(args.checkpoint)
+    weights, info = read_checkpoint_model(args.checkpoint, args.weights)
     config = load_config(Config.model_validate(info["config"]), args)
     config.parallel.strategy = "ddp"  # one process evaluates, whatever sharded the training run
     plan = make_plan(config)
@@ -274,15 +287,17 @@ def command_eval(args: argparse.Namespace) -> int:
     model.load_state_dict(weights)
     _, eval_loader = build_loaders(plan.data)
     result = evaluate(model, eval_loader, Normalize(plan.data.mean, plan.data.std, plan.device), plan.precision)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "step": info["state"]["step"], **result}))
+    step = info["state"]["step"]
+    print(json.dumps({"checkpoint": str(args.checkpoint), "weights": args.weights, "step": step, **result}))
     return 0
 
 
 def command_export(args: argparse.Namespace) -> int:
     from vitrain.checkpoint.sharded import export_model
 
-    count = export_model(args.checkpoint, args.out)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(args.out), "tensors": count}))
+    count = export_model(args.checkpoint, args.out, args.weights)
+    result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "out": str(args.out), "tensors": count}
+    print(json.dumps(result))
     return 0
 
 

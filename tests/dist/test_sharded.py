@@ -112,3 +112,35 @@ def test_fsdp_o2_computes_in_bf16_and_keeps_fp32_master_weights(reference, tmp_p
     assert {value.dtype for value in weights.values()} == {torch.float32}
     assert _losses(out_dir) == pytest.approx(_losses(reference), rel=0.02)  # bf16 rounding, not another run
     assert _losses(out_dir) != _losses(reference)  # and it did compute in bf16
+
+
+EMA = ["train.ema_decay=0.9", "train.ema_warmup=true"]
+
+
+def _ema(path):
+    return read_checkpoint_model(path if path.exists() else path.with_suffix(".pt"), weights="ema")[0]
+
+
+def _ema_evals(out_dir):
+    return [(r["ema_top1"], r["ema_loss"]) for r in read_jsonl(out_dir / "metrics.jsonl") if r["event"] == "eval"]
+
+
+def test_fsdp_weight_ema_matches_one_process_and_its_sharded_checkpoint_resumes(tmp_path):
+    """The EMA is sharded as the parameters (each rank averages its shards), evaluated under FSDP, saved
+    in the sharded folder, and loaded at another process count to continue to the same average."""
+    single = tmp_path / "single"
+    _train_in_one_process(single, HEADS, *EMA)
+    fsdp = _run(tmp_path / "fsdp", 2, "parallel.strategy=fsdp", *EMA)
+    step_6 = "checkpoints/step-000000006"
+    assert (fsdp / step_6 / COMPLETE_MARKER).is_file()
+    _assert_close(_ema(fsdp / step_6), _ema(single / step_6))
+    _assert_close(_ema(fsdp / FINAL), _ema(single / FINAL))
+    ours, reference = _ema_evals(fsdp), _ema_evals(single)
+    assert len(ours) == len(reference) == 3
+    assert [top1 for top1, _ in ours] == pytest.approx([top1 for top1, _ in reference], abs=3.4)  # 1 image of 30
+    assert [loss for _, loss in ours] == pytest.approx([loss for _, loss in reference], rel=1e-3)
+
+    resumed = tmp_path / "fsdp-resumed"
+    shutil.copytree(fsdp / step_6, resumed / step_6)
+    assert main(["train", "--resume", "auto", *_set_args(_overrides(resumed, HEADS, *EMA))]) == 0
+    _assert_close(_ema(resumed / FINAL), _ema(single / FINAL))

@@ -1,7 +1,7 @@
 """Sharded checkpoints (``torch.distributed.checkpoint``, DCP) and the state-dict views every format uses.
 
 A sharded checkpoint is a folder ``checkpoints/step-NNNNNNNNN/``: every rank writes its shards of the
-model and optimizer (DCP's ``.distcp`` files and ``.metadata``), rank 0 writes ``extras.pt`` (loop
+model, optimizer and weight EMA (DCP's ``.distcp`` files and ``.metadata``), rank 0 writes ``extras.pt`` (loop
 state, RNG, scaler, config: tensors and plain containers only) and, last, the completion marker
 ``COMPLETE``. All of it is written under ``step-NNNNNNNNN.tmp`` and renamed into place after the
 marker, so a folder with the final name is complete; a crash leaves only a ``.tmp`` folder that the
@@ -109,11 +109,21 @@ def _full_on_cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
+def full_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of tensors and DTensors with each whole, on the CPU (a collective under FSDP/TP)."""
+    return _map_tree(_full_on_cpu, state)
+
+
+def shard_state(state: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Whole tensors cut to this process's part of ``reference``'s (DTensors); plain ones as they are."""
+    return _map_tree(shard_like, state, reference)
+
+
 def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
     """The model's state by parameter name: whole tensors on the CPU (a collective under FSDP/TP: every
     process calls it) or this process's shards (DTensors), for DCP."""
     state = get_model_state_dict(model, options=_SHARDED)
-    return _map_tree(_full_on_cpu, state) if full else state
+    return full_state(state) if full else state
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
@@ -261,54 +271,72 @@ def load_sharded(folder: Path, reference: dict[str, Any]) -> tuple[dict[str, Any
     return _map_tree(_unreplicated, tensors, reference), load_checkpoint(folder / EXTRAS_FILE)
 
 
-def read_sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+WEIGHTS_KEYS = {"live": "model", "ema": "ema"}
+"""Which weights of a checkpoint (``--weights``) -> the key holding them."""
+
+
+def _no_weights_message(path: Path, weights: str) -> str:
+    return (
+        f"checkpoint {path} holds no {weights} weights (its run had no weight EMA: train.ema_decay=0); "
+        "use --weights live"
+    )
+
+
+def read_sharded_model(folder: Path, weights: str = "live") -> dict[str, torch.Tensor]:
     """The full model weights of a sharded checkpoint, in this process alone (no process group): for
-    evaluation, fine-tuning and export."""
+    evaluation, fine-tuning and export. ``weights``: ``live`` (the model's) or ``ema`` (the weight EMA's)."""
     folder = Path(folder)
     _check_folder(folder)
     reader = SafeFileSystemReader(folder)
     metadata = reader.read_metadata()
-    weights = {
-        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and hasattr(meta, "size")
+    key = WEIGHTS_KEYS[weights]
+    tensors = {
+        name.removeprefix(f"{key}."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if name.startswith(f"{key}.") and hasattr(meta, "size")
     }
+    if not tensors:
+        raise CheckpointError(_no_weights_message(folder, weights))
     with _without_process_group_warning():
-        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
-    return weights
+        dcp.load({key: tensors}, storage_reader=reader, no_dist=True)
+    return tensors
 
 
-def read_checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Full model weights and the rest (config, loop state; no optimizer) of a checkpoint in either
-    format (file or sharded folder), in this process alone."""
+def read_checkpoint_model(path: Path, weights: str = "live") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full model weights (``weights``: ``live``, or ``ema``, the weight EMA's) and the rest (config, loop
+    state; no optimizer, no other weights) of a checkpoint in either format, in this process alone."""
     path = Path(path)
     if is_sharded_checkpoint(path):
-        return read_sharded_model(path), load_checkpoint(path / EXTRAS_FILE)
+        return read_sharded_model(path, weights), load_checkpoint(path / EXTRAS_FILE)
     payload = load_checkpoint(path)
-    info = {key: value for key, value in payload.items() if key not in ("model", "optimizer")}
-    return payload["model"], info
+    if WEIGHTS_KEYS[weights] not in payload:
+        raise CheckpointError(_no_weights_message(path, weights))
+    info = {key: value for key, value in payload.items() if key not in ("model", "optimizer", "ema")}
+    return payload[WEIGHTS_KEYS[weights]], info
 
 
-def export_model(checkpoint: Path, out: Path) -> int:
-    """Write a checkpoint's full model weights (either format) as one safetensors file, the saved
-    config in its metadata; returns the number of tensors."""
+def export_model(checkpoint: Path, out: Path, weights: str = "live") -> int:
+    """Write a checkpoint's full model weights (either format; ``weights``: ``live`` or ``ema``) as one
+    safetensors file, the saved config and which weights in its metadata; returns the number of tensors."""
     from safetensors.torch import save_file
 
-    weights, info = read_checkpoint_model(checkpoint)
+    tensors, info = read_checkpoint_model(checkpoint, weights)
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"format": "vitrain-model-v1", "config": json.dumps(info.get("config", {}))}
-        save_file({key: value.contiguous() for key, value in weights.items()}, str(out), metadata=metadata)
+        metadata = {"format": "vitrain-model-v1", "config": json.dumps(info.get("config", {})), "weights": weights}
+        save_file({key: value.contiguous() for key, value in tensors.items()}, str(out), metadata=metadata)
     except OSError as error:
         raise CheckpointError(f"cannot write {out}: {error.strerror or error}; choose a writable path") from None
-    return len(weights)
+    return len(tensors)
 
 
 __all__ = [
     "COMPLETE_MARKER",
     "SafeFileSystemReader",
+    "WEIGHTS_KEYS",
     "export_model",
+    "full_state",
     "is_complete",
     "is_sharded_checkpoint",
     "load_model_state",
@@ -319,4 +347,5 @@ __all__ = [
     "read_checkpoint_model",
     "read_sharded_model",
     "save_sharded",
+    "shard_state",
 ]

@@ -1,11 +1,12 @@
 """A training run's checkpoints: what each one holds, and saving, finding and resuming them.
 
-A checkpoint holds the model and optimizer tensors, the loss scaler, the loop state (step, images,
-epoch position, clocks, best accuracy, skip counts), every process's RNG streams, the loaders'
-bad-image logs, the config and the plan's key figures as recorded, and the format string
-:data:`CHECKPOINT_FORMAT`. A single file (:class:`~vitrain.checkpoint.manager.CheckpointManager`)
-holds full tensors; a sharded folder (:mod:`vitrain.checkpoint.sharded`) each process's shards.
-Either resumes at any process count: the loop asks :class:`RunCheckpoints` to save and to resume.
+A checkpoint holds the model and optimizer tensors (and the weight EMA's, ``ema``, when the run keeps
+one), the loss scaler, the loop state (step, images, epoch position, clocks, best accuracy, skip
+counts), every process's RNG streams, the loaders' bad-image logs, the config and the plan's key
+figures as recorded, and the format string :data:`CHECKPOINT_FORMAT`. A single file
+(:class:`~vitrain.checkpoint.manager.CheckpointManager`) holds full tensors; a sharded folder
+(:mod:`vitrain.checkpoint.sharded`) each process's shards. Either resumes at any process count: the
+loop asks :class:`RunCheckpoints` to save and to resume.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vitrain.checkpoint.manager import CheckpointError, CheckpointManager, find_
 from vitrain.checkpoint.rng import capture_rng_state, restore_rank_rng_state
 from vitrain.checkpoint.sharded import (
     EXTRAS_FILE,
+    full_state,
     is_sharded_checkpoint,
     load_model_state,
     load_optimizer_state,
@@ -30,6 +32,7 @@ from vitrain.checkpoint.sharded import (
     model_state,
     optimizer_state,
     save_sharded,
+    shard_state,
 )
 from vitrain.config import ConfigError, World
 from vitrain.data.loader import derive_seed
@@ -46,6 +49,14 @@ class LoopState(Protocol):
     step: int
 
     def state_dict(self) -> dict[str, Any]: ...
+
+
+class WeightAverage(Protocol):
+    """The weight EMA (``vitrain.train.ema.ModelEma``), as a checkpoint sees it."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
 class BadImages(Protocol):
@@ -76,18 +87,22 @@ class RunCheckpoints:
     """The parameters are sharded (FSDP/TP): gathering full tensors is a collective of every process."""
     weights_loaded: Callable[[], None]
     """Called after loading weights into ``model`` (the training step's O2 copy follows them)."""
+    ema: WeightAverage | None = None
+    """The weight EMA, saved under ``ema`` beside the model (None: the run keeps none)."""
 
     def payload(self, state: LoopState, full: bool = True) -> dict[str, Any]:
         """Everything a resume needs. ``full``: whole tensors (gathered on rank 0 under FSDP/TP, so every
         rank must call this); otherwise this rank's shards, for a sharded checkpoint."""
-        return {
+        tensors = {
             "model": model_state(self.model, full),
             "optimizer": optimizer_state(self.model, self.optimizer, full),
-            **self.extras(state),
         }
+        if self.ema is not None:
+            tensors["ema"] = full_state(self.ema.state_dict()) if full else self.ema.state_dict()
+        return {**tensors, **self.extras(state)}
 
     def extras(self, state: LoopState) -> dict[str, Any]:
-        """The part of a checkpoint that is not model or optimizer tensors (rank 0's)."""
+        """The part of a checkpoint that is not model, optimizer or EMA tensors (rank 0's)."""
         return {
             "format": CHECKPOINT_FORMAT,
             "scaler": self.scaler.state_dict(),
@@ -96,6 +111,7 @@ class RunCheckpoints:
             "config": self.record["config"],
             "bad_images": {split: images.state_dict() for split, images in self.bad_images.items()},
             "plan": self.record["plan"],
+            "has_ema": self.ema is not None,
         }
 
     def save(self, state: LoopState, top1: float | None = None) -> None:
@@ -123,6 +139,14 @@ class RunCheckpoints:
     def resume(self, path: Path, payload: dict[str, Any]) -> dict[str, Any]:
         """Load the checkpoint at ``path`` (``payload``: its content from :func:`load_resume_payload`);
         returns the loop state it holds. A checkpoint that does not fit this run is a CheckpointError."""
+        if self.ema is not None and not payload.get("has_ema", False):
+            raise CheckpointError(
+                f"checkpoint {path} holds no weight EMA but this run keeps one (train.ema_decay); resume with "
+                "the config the run started with (train.ema_decay=0), or start a new run from its weights "
+                "with vitrain finetune --from"
+            )
+        if self.ema is None and payload.get("has_ema", False):
+            log.warning("%s holds a weight EMA, which this run (train.ema_decay=0) does not keep", path)
         try:
             # sharded: every rank reads its shards (DCP reshards to this process count)
             state = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_payload(payload)
@@ -139,6 +163,8 @@ class RunCheckpoints:
             "model": model_state(self.model, False),
             "optimizer": optimizer_state(self.model, self.optimizer, False),
         }
+        if self.ema is not None:
+            reference["ema"] = self.ema.state_dict()  # DCP loads into the EMA's own shards
         tensors, extras = load_sharded(path, reference)
         return self._load_payload({**tensors, **extras}, full=False)
 
@@ -147,6 +173,9 @@ class RunCheckpoints:
         load_optimizer_state(self.model, self.optimizer, payload["optimizer"], full)
         self.scaler.load_state_dict(payload["scaler"])
         self.weights_loaded()
+        if self.ema is not None:
+            ema = payload["ema"]
+            self.ema.load_state_dict(shard_state(ema, self.ema.state_dict()) if full else ema)
         state = payload["state"]
         world = self.world
         restore_rank_rng_state(payload, world.rank, world.size, derive_seed(self.seed, world.data_rank, state["step"]))

@@ -9,7 +9,7 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
 - :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders
   (its :class:`MixPlan` -> the batch mixer);
 - :class:`StepPlan`, :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
-  process and model conversions, the loop, the checkpoints.
+  process and model conversions, the loop, the checkpoints; :class:`EmaPlan` -> the weight EMA.
 """
 
 from __future__ import annotations
@@ -271,6 +271,24 @@ class LoopPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class EmaPlan:
+    """The exponential moving average of the weights (``train.ema_*``): what ``vitrain.train.ema`` needs."""
+
+    decay: float = 0.0
+    """Decay per update; 0: no EMA."""
+    warmup: bool = False
+    """Warm the decay up (timm's ModelEmaV3 rule)."""
+    every_steps: int = 1
+    """Update after every N-th optimizer step."""
+    evaluate: bool = False
+    """Evaluate the EMA weights at every evaluation (False whenever there is no EMA)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.decay > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointPlan:
     """Where and when the run checkpoints, and where ``--resume auto`` looks."""
 
@@ -308,3 +326,5 @@ class Plan:
     runtime: RuntimePlan
     loop: LoopPlan
     checkpoint: CheckpointPlan
+    ema: EmaPlan = EmaPlan()
+    """The weight EMA (off by default)."""

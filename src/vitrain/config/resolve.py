@@ -546,6 +546,29 @@ def _mix_plan(
     )
 
 
+def _ema_plan(config: Config, total_steps: int | None) -> parts.EmaPlan:
+    """The weight EMA; its other keys without train.ema_decay, or a cadence the run never reaches, are mistakes."""
+    train = config.train
+    if train.ema_decay == 0:
+        for key, value, default in (
+            ("ema_warmup", train.ema_warmup, False),
+            ("ema_every_steps", train.ema_every_steps, 1),
+        ):
+            _require(
+                value == default,
+                f"train.{key}={value} has no effect without an EMA; set train.ema_decay (e.g. 0.9998) or remove it",
+            )
+        return parts.EmaPlan()
+    _require(
+        total_steps is None or train.ema_every_steps <= total_steps,
+        f"train.ema_every_steps={train.ema_every_steps} exceeds the run's {total_steps} optimizer steps, so the EMA "
+        f"would never be updated; use at most {total_steps}",
+    )
+    return parts.EmaPlan(
+        decay=train.ema_decay, warmup=train.ema_warmup, every_steps=train.ema_every_steps, evaluate=train.ema_eval
+    )
+
+
 def _training_parts(config: Config) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     return (
@@ -591,6 +614,7 @@ def resolve(
     mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
     step, runtime, loop = _training_parts(config)
     mixing = _mix_plan(config, data.num_classes, stages, batch)
+    schedule = _schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages)
     return Plan(
         config=config,
         device=device,
@@ -602,7 +626,7 @@ def resolve(
         precision=precision_policy(precision, config.precision_mode, device, parallel.fsdp),
         parallel=parallel,
         optim=_optimizer_plan(config, lr),
-        schedule=_schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages),
+        schedule=schedule,
         data=parts.DataPlan(
             config.data, data.channels, mean, std, config.train.seed, device, world, batch, mixing=mixing
         ),
@@ -610,4 +634,5 @@ def resolve(
         runtime=runtime,
         loop=loop,
         checkpoint=_checkpoint_plan(config, checkpoint_format),
+        ema=_ema_plan(config, schedule.total_steps),
     )

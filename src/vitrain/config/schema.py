@@ -301,6 +301,15 @@ class TrainConfig(Section):
     at 2^16 and halves per skipped step, so a 17th skip in a row would happen at scale 1 (no scaling)."""
     progress: bool | Literal["auto"] = "auto"
     """Live progress bar (true/false); auto shows it only on a terminal."""
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
+    """Keep an exponential moving average of the weights (fp32; ema = decay * ema + (1 - decay) * weights after
+    each update), checkpointed and evaluated beside the live weights; 0 turns it off (DeiT: 0.99996)."""
+    ema_warmup: bool = False
+    """Warm the EMA decay up as timm's ModelEmaV3: min(ema_decay, 1 - (1 + t)^(-2/3)) at optimizer step t + 1."""
+    ema_every_steps: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps (ema_decay applies per update)."""
+    ema_eval: bool = True
+    """Evaluate the EMA weights beside the live ones at every evaluation (ema_top1 in metrics and summary)."""
 
 
 class CurriculumStage(Section):

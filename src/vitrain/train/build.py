@@ -12,7 +12,8 @@
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
 6. **loaders**: training and evaluation data, and the mixer of training batches (Mixup/CutMix);
-7. **checkpoint manager** of the run folder.
+7. **weight EMA** (``train.ema_decay``): a copy of the initialized weights, laid out as the parameters;
+8. **checkpoint manager** of the run folder.
 
 ``build_training_step`` is stages 1-5 alone (the benchmarks time its step).
 """
@@ -42,6 +43,7 @@ from vitrain.models import build_model, load_pretrained
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
 from vitrain.train.attention_probe import choose_attention
+from vitrain.train.ema import ModelEma
 from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
 from vitrain.train.state import TrainState
@@ -65,13 +67,16 @@ class Run:
     state: TrainState
     mixer: BatchMixer | None = None
     """Mixup/CutMix of the training batches on the device (None: off)."""
+    ema: ModelEma | None = None
+    """The weight EMA (None: train.ema_decay=0)."""
 
 
 def build_run(plan: Plan) -> Run:
     """Every stage, in the order of this module's docstring."""
     step_fn = build_training_step(plan)  # 1-5: model, converters, parallelism, optimizer, step
     train_loader, eval_loader = build_loaders(plan.data)  # 6
-    checkpoints = _build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader})  # 7
+    ema = ModelEma(step_fn.model, plan.ema) if plan.ema.enabled else None  # 7: of the fp32 master under O2
+    checkpoints = _build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader}, ema)  # 8
     return Run(
         plan=plan,
         model=step_fn.model,
@@ -83,6 +88,7 @@ def build_run(plan: Plan) -> Run:
         checkpoints=checkpoints,
         state=TrainState(),
         mixer=build_mixer(plan.data),
+        ema=ema,
     )
 
 
@@ -148,8 +154,8 @@ def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
     return all_reduce_(skipped, "max")
 
 
-def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) -> RunCheckpoints:
-    """Stage 7: the run folder's checkpoints and what each one saves."""
+def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], ema: ModelEma | None) -> RunCheckpoints:
+    """Stage 8: the run folder's checkpoints and what each one saves."""
     return RunCheckpoints(
         manager=CheckpointManager(plan.out_dir, plan.checkpoint.keep_last),
         model=step_fn.model,
@@ -166,6 +172,7 @@ def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) 
                 "run_length": plan.schedule.run_length,
                 "precision": plan.precision.dtype,
                 "precision_mode": plan.precision.mode,
+                "ema_decay": plan.ema.decay,
             },
         },
         world=plan.world,
@@ -173,6 +180,7 @@ def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any]) 
         sharded=plan.checkpoint.format == "sharded",
         gathers=plan.parallel.shards_model,
         weights_loaded=step_fn.weights_changed,
+        ema=ema,
     )
 
 
@@ -227,6 +235,8 @@ def apply_init_from(run: Run, path: Path) -> list[str]:
     if target is not run.model:
         load_model_state(run.model, target.state_dict(), full=True)
     run.step_fn.weights_changed()
+    if run.ema is not None:
+        run.ema.reset()  # the average starts from the weights fine-tuning starts from
     saved_size = info.get("config", {}).get("data", {}).get("image_size")
     log.info(
         "initialized from %s (trained at %s px, now %d px)%s",

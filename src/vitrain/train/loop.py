@@ -98,15 +98,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         run = self.run
         started = self.clock()
-        plan = self.plan
-        result = evaluate(
-            run.model,
-            run.eval_loader,
-            run.normalize,
-            plan.precision,
-            replicas=plan.world.tp_size,
-            pad_to=plan.batch.eval_per_process if plan.parallel.compile else None,
-        )
+        result = self._evaluate_weights(run.model)
+        result.update(self._evaluate_ema())
         run.state.eval_s += self.clock() - started
         run.state.last_eval = result
         if run.state.best_top1 is None or result["top1"] > run.state.best_top1:
@@ -114,15 +107,51 @@ class Trainer:
         self.last_eval_step = run.state.step
         epoch = self._epoch()
         self.metrics.write({"event": "eval", "step": run.state.step, "epoch": epoch, **result, **self._clocks()})
+        ema = (
+            f"; EMA weights top1 {result['ema_top1']:.2f}% top5 {result['ema_top5']:.2f}%"
+            if "ema_top1" in result
+            else ""
+        )
         log.info(
-            "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f",
+            "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f%s",
             run.state.step,
             epoch,
             result["top1"],
             result["top5"],
             result["loss"],
+            ema,
         )
         return result
+
+    def _evaluate_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        plan = self.plan
+        return evaluate(
+            model,
+            self.run.eval_loader,
+            self.run.normalize,
+            plan.precision,
+            replicas=plan.world.tp_size,
+            pad_to=plan.batch.eval_per_process if plan.parallel.compile else None,
+        )
+
+    # --- weight EMA --------------------------------------------------------------------------
+
+    def _update_ema(self) -> None:
+        """After an optimizer step, at the EMA's cadence (a skipped step leaves it unchanged, on the device)."""
+        ema, step = self.run.ema, self.run.state.step
+        if ema is not None and step % self.plan.ema.every_steps == 0:
+            ema.update(step, self.run.step_fn.skipped)
+
+    def _evaluate_ema(self) -> dict[str, float]:
+        """``ema_top1``, ``ema_top5``, ``ema_loss`` of the EMA weights (none when the run evaluates no EMA)."""
+        state = self.run.state
+        if self.run.ema is None or not self.plan.ema.evaluate:
+            return {}
+        with self.run.ema.applied() as model:
+            result = self._evaluate_weights(model)
+        if state.best_ema_top1 is None or result["top1"] > state.best_ema_top1:
+            state.best_ema_top1 = result["top1"]
+        return {f"ema_{key}": result[key] for key in ("top1", "top5", "loss")}
 
     def save_checkpoint(self) -> None:
         started = self.clock()
@@ -272,6 +301,7 @@ class Trainer:
             self.last_outputs = run.step_fn(images, labels)
             self.skips.add(run.step_fn.skipped)
             state.step += 1
+            self._update_ema()
             images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
             state.epoch_images += images_in_step

@@ -20,6 +20,8 @@ class TrainState:
     eval_s: float = 0.0
     checkpoint_s: float = 0.0
     best_top1: float | None = None
+    best_ema_top1: float | None = None
+    """Best eval top-1 of the weight EMA (train.ema_decay)."""
     last_eval: dict[str, float] | None = None
     skipped_steps: int = 0
     """Steps whose update was skipped because their loss or gradient norm was not finite."""
