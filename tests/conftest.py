@@ -80,25 +80,26 @@ def make_config(*overrides: str, base: Config | None = None) -> Config:
     return build_config(base or Config(), [], list(overrides))
 
 
+SMALL_SYNTHETIC_RUN = [
+    "precision=fp32",
+    "model.name=vit_tiny6_patch7",
+    "data.name=synthetic",
+    "data.image_size=14",
+    "data.synthetic_num_train=96",
+    "data.synthetic_num_eval=32",
+    "train.batch_size=16",
+    "train.progress=off",
+    "optim.lr=0.2",  # 3.2e-3 after scaling to batch 16
+    "data.scale=[0.5, 1.0]",
+    "schedule.warmup_epochs=1",
+]
+"""A tiny, fast, fp32 synthetic run, its length and folder left to the test."""
+
+
 @pytest.fixture
 def small_synthetic_overrides(tmp_path) -> list[str]:
-    """A tiny, fast, fp32 synthetic run (used by loop and resume tests)."""
-    return [
-        "precision=fp32",
-        "model.name=vit_tiny6_patch7",
-        "data.name=synthetic",
-        "data.image_size=14",
-        "data.synthetic_num_train=96",
-        "data.synthetic_num_eval=32",
-        "train.batch_size=16",
-        "train.epochs=3",
-        "train.progress=off",
-        "train.log_every_steps=2",
-        f"train.out_dir={tmp_path / 'run'}",
-        "optim.lr=0.2",  # 3.2e-3 after scaling to batch 16
-        "data.scale=[0.5, 1.0]",
-        "schedule.warmup_epochs=1",
-    ]
+    """A tiny, fast, fp32 synthetic run of 3 epochs in the test's folder (used by loop and resume tests)."""
+    return [*SMALL_SYNTHETIC_RUN, "train.epochs=3", "train.log_every_steps=2", f"train.out_dir={tmp_path / 'run'}"]
 
 
 def assert_same_training_state(ours_path: Path, reference_path: Path) -> None:

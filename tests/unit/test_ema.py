@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
-from tests.conftest import assert_same_training_state, make_config
+from tests.conftest import SMALL_SYNTHETIC_RUN, assert_same_training_state, make_config
 from vitrain.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
 from vitrain.cli import main
 from vitrain.config import ConfigError, EmaPlan
@@ -24,20 +24,6 @@ from vitrain.train.step import TrainStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL_RUN = [
-    "precision=fp32",
-    "model.name=vit_tiny6_patch7",
-    "data.name=synthetic",
-    "data.image_size=14",
-    "data.synthetic_num_train=96",
-    "data.synthetic_num_eval=32",
-    "train.batch_size=16",
-    "train.progress=off",
-    "optim.lr=0.2",
-    "data.scale=[0.5, 1.0]",
-    "schedule.warmup_epochs=1",
-]
-"""conftest's small_synthetic_overrides without the run folder (a module-scoped run picks its own)."""
 
 NAN = float("nan")
 
@@ -186,7 +172,7 @@ def ema_run(tmp_path_factory):
     """12 steps over 2 epochs with the EMA updated every other step and a checkpoint after every step."""
     out_dir = tmp_path_factory.mktemp("ema") / "run"
     overrides = [
-        *SMALL_RUN,
+        *SMALL_SYNTHETIC_RUN,
         f"train.out_dir={out_dir}",
         *EMA_SETTINGS,
         "train.epochs=2",
