@@ -52,7 +52,7 @@ DEIT_COMMON: dict[str, Any] = {
 
 DEIT3_COMMON: dict[str, Any] = {
     "data.name": "imagefolder",
-    "data.crop_pct": 1.0,  # timm's deit3_*_224 pretrained configs, crop_pct 1.0
+    "data.crop_pct": 1.0,  # timm's configs of the deit3_*_224 weights; main.py default 0.875 unset by commands
     "data.randaugment": None,  # --ThreeAugment replaces RandAugment
     "data.three_augment": True,  # README_revenge.md --ThreeAugment
     "data.color_jitter": 0.3,  # README_revenge.md --color-jitter 0.3
