@@ -15,44 +15,56 @@ _DEIT_WARMUP_LR = 1e-6
 _DEIT_MIN_LR = 1e-5
 
 
-def _deit(model: str) -> Config:
-    """DeiT, Table 9 and facebookresearch/deit main.py defaults (the README commands override only the model
-    and batch): AdamW, batch 1024, lr 5e-4 x batch / 512, weight decay 0.05, cosine, 5 warmup epochs, 300
-    epochs, label smoothing 0.1, RandAugment m9 mstd0.5, Mixup 0.8 / CutMix 1.0, random erasing 0.25,
-    repeated augmentation 3, stochastic depth 0.1, no gradient clipping, eval crop 0.875 at 224 px."""
+def _deit_family(model: str, image_size: int, drop_path: float) -> Config:
+    """What DeiT and DeiT III share (facebookresearch/deit main.py): ImageNet folders, Mixup 0.8 / CutMix
+    1.0 switched per batch with probability 0.5, repeated augmentation 3, cosine after 5 warmup epochs,
+    no gradient clipping, no weight EMA in the reported numbers."""
     config = Config(precision="auto")
     config.model.name = model
-    config.model.drop_path_rate = 0.1  # main.py --drop-path default; no README command changes it
+    config.model.drop_path_rate = drop_path
     config.data.name = "imagefolder"
-    config.data.image_size = 224
+    config.data.image_size = image_size
     config.data.num_workers = 8
-    config.data.crop_pct = 0.875
-    config.data.randaugment = "rand-m9-mstd0.5-inc1"
-    # main.py's --color-jitter 0.4 is unused: timm (0.3.x, DeiT's) applies color jitter only without RandAugment.
-    config.data.color_jitter = 0.0
-    config.data.random_erase = 0.25
     config.data.repeated_aug = 3
     config.data.mixup = 0.8
     config.data.cutmix = 1.0
     config.data.mix_prob = 1.0
     config.data.mix_switch_prob = 0.5
     config.data.mix_mode = "batch"
+    # main.py keeps a weight EMA (0.99996) by default but evaluates and reports the live weights.
+    config.train.ema_decay = 0.0
+    config.optim.grad_clip = None
+    config.schedule.name = "cosine"
+    config.schedule.warmup_epochs = 5
+    return config
+
+
+def _deit_lr_ends(config: Config, peak_lr: float) -> None:
+    """Warmup from 1e-6 and cosine down to 1e-5 (main.py's --warmup-lr, --min-lr), as fractions of the peak."""
+    config.schedule.warmup_start = _DEIT_WARMUP_LR / peak_lr
+    config.schedule.min_lr_ratio = _DEIT_MIN_LR / peak_lr
+
+
+def _deit(model: str) -> Config:
+    """DeiT, Table 9 and facebookresearch/deit main.py defaults (the README commands override only the model
+    and batch): AdamW, batch 1024, lr 5e-4 x batch / 512, weight decay 0.05, cosine, 5 warmup epochs, 300
+    epochs, label smoothing 0.1, RandAugment m9 mstd0.5, Mixup 0.8 / CutMix 1.0, random erasing 0.25,
+    repeated augmentation 3, stochastic depth 0.1, no gradient clipping, eval crop 0.875 at 224 px."""
+    config = _deit_family(model, 224, 0.1)  # main.py --drop-path default; no README command changes it
+    config.data.crop_pct = 0.875
+    config.data.randaugment = "rand-m9-mstd0.5-inc1"
+    # main.py's --color-jitter 0.4 is unused: timm (0.3.x, DeiT's) applies color jitter only without RandAugment.
+    config.data.color_jitter = 0.0
+    config.data.random_erase = 0.25
     config.train.batch_size = 1024
     config.train.epochs = 300
     config.train.loss = "ce"
     config.train.label_smoothing = 0.1
-    # main.py keeps a weight EMA (0.99996) by default but evaluates and reports the live weights.
-    config.train.ema_decay = 0.0
     config.optim.name = "adamw"
     config.optim.lr = _DEIT_LR
     config.optim.reference_batch = 512
     config.optim.weight_decay = 0.05
-    config.optim.grad_clip = None
-    config.schedule.name = "cosine"
-    config.schedule.warmup_epochs = 5
-    peak_lr = _DEIT_LR * config.train.batch_size / config.optim.reference_batch
-    config.schedule.warmup_start = _DEIT_WARMUP_LR / peak_lr
-    config.schedule.min_lr_ratio = _DEIT_MIN_LR / peak_lr
+    _deit_lr_ends(config, _DEIT_LR * config.train.batch_size / config.optim.reference_batch)
     return config
 
 
@@ -87,37 +99,21 @@ def _deit3(model: str, lr: float, drop_path: float, image_size: int) -> Config:
     1.0, no random erasing, repeated augmentation (3, the sampler's). Eval crop 1.0, as timm's configs of the
     released DeiT III weights and the paper's Table 1 (main.py's default is 0.875; the commands leave it).
     The paper's Table 1 lists lr 3e-3 and weight decay 0.02; the released commands, used here, differ."""
-    config = Config(precision="auto")
-    config.model.name = model
-    config.model.drop_path_rate = drop_path
-    config.data.name = "imagefolder"
-    config.data.image_size = image_size
-    config.data.num_workers = 8
+    config = _deit_family(model, image_size, drop_path)
     config.data.crop_pct = 1.0
     config.data.randaugment = None
     config.data.three_augment = True
     config.data.color_jitter = 0.3
     config.data.random_erase = 0.0
-    config.data.repeated_aug = 3
-    config.data.mixup = 0.8
-    config.data.cutmix = 1.0
-    config.data.mix_prob = 1.0
-    config.data.mix_switch_prob = 0.5
-    config.data.mix_mode = "batch"
     config.train.batch_size = 2048
     config.train.epochs = 800
     config.train.loss = "bce"
     config.train.label_smoothing = 0.0
-    config.train.ema_decay = 0.0
     config.optim.name = "lamb"
     config.optim.lr = lr
     config.optim.reference_batch = 2048
     config.optim.weight_decay = 0.05
-    config.optim.grad_clip = None
-    config.schedule.name = "cosine"
-    config.schedule.warmup_epochs = 5
-    config.schedule.warmup_start = _DEIT_WARMUP_LR / lr
-    config.schedule.min_lr_ratio = _DEIT_MIN_LR / lr
+    _deit_lr_ends(config, lr)
     return config
 
 
