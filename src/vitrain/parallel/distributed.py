@@ -112,6 +112,11 @@ def wrap_data_parallel(module: nn.Module, device: str) -> nn.Module:
     return DistributedDataParallel(module, device_ids=device_ids)
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (a view: writing it writes the DTensor); a tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def holds_dtensors(model: nn.Module) -> bool:
     """Whether FSDP or tensor parallelism has sharded ``model``'s parameters (into DTensors)."""
     return any(isinstance(param, DTensor) for param in model.parameters())

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from vitrain.config import EmaPlan
+from vitrain.parallel.distributed import local_shard
 
 WARMUP_POWER = 2 / 3
 """timm ModelEmaV3's default ``warmup_power`` (with ``warmup_gamma`` 1): decay 0.999 at 31.6k steps."""
@@ -46,11 +46,6 @@ def ema_decay_at(step: int, decay: float, warmup: bool) -> float:
     if t <= 0:
         return 0.0
     return min(decay, 1.0 - (1.0 + t) ** -WARMUP_POWER)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a DTensor (a view: writing it writes the DTensor); a tensor itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _reshard(model: nn.Module) -> None:
@@ -88,20 +83,24 @@ class ModelEma:
         if skipped is not None:
             weight = (1.0 - skipped.float()) * weight
         params, buffers = self._live()
-        averages = [_local(average) for average in self.params]
+        averages = [local_shard(average) for average in self.params]
         if isinstance(weight, torch.Tensor) and averages and weight.device != averages[0].device:
             weight = weight.to(averages[0].device)  # FSDP's CPU offload: the shards live on the host
-        increments = torch._foreach_sub([_local(param) for param in params], averages)  # fp32 (promoted)
+        increments = torch._foreach_sub([local_shard(param) for param in params], averages)  # fp32 (promoted)
         torch._foreach_mul_(increments, weight)
         torch._foreach_add_(averages, increments)
         if buffers:
-            torch._foreach_copy_([_local(copy) for copy in self.buffers], [_local(buffer) for buffer in buffers])
+            torch._foreach_copy_(
+                [local_shard(copy) for copy in self.buffers], [local_shard(buffer) for buffer in buffers]
+            )
 
     @torch.no_grad()
     def reset(self) -> None:
         """Start the average again from the model's weights (after loading other weights into it)."""
         params, buffers = self._live()
-        torch._foreach_copy_([_local(t) for t in self.params + self.buffers], [_local(t) for t in params + buffers])
+        torch._foreach_copy_(
+            [local_shard(t) for t in self.params + self.buffers], [local_shard(t) for t in params + buffers]
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The EMA weights by model state-dict name (DTensors where the parameters are), not copies."""
@@ -116,7 +115,7 @@ class ModelEma:
             missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
             raise KeyError(f"EMA weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         for name, tensor in own.items():
-            _local(tensor).copy_(_local(state[name]))
+            local_shard(tensor).copy_(local_shard(state[name]))
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[nn.Module]:
@@ -125,13 +124,13 @@ class ModelEma:
         _reshard(self.model)
         with torch.no_grad():
             params, buffers = self._live()
-            live = [_local(tensor) for tensor in params + buffers]
+            live = [local_shard(tensor) for tensor in params + buffers]
             saved = [tensor.clone() for tensor in live]
-            torch._foreach_copy_(live, [_local(tensor) for tensor in self.params + self.buffers])
+            torch._foreach_copy_(live, [local_shard(tensor) for tensor in self.params + self.buffers])
         try:
             yield self.model
         finally:
             _reshard(self.model)
             with torch.no_grad():
                 params, buffers = self._live()
-                torch._foreach_copy_([_local(tensor) for tensor in params + buffers], saved)
+                torch._foreach_copy_([local_shard(tensor) for tensor in params + buffers], saved)

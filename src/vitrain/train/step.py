@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from vitrain.parallel.distributed import holds_dtensors
+from vitrain.parallel.distributed import holds_dtensors, local_shard
 from vitrain.precision import PrecisionPolicy
 from vitrain.train.losses import TrainingLoss
 
@@ -126,7 +126,7 @@ def clip_gradients_(parameters: list[nn.Parameter], max_norm: float | None) -> t
     if max_norm is None:
         return total
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    local = [local_shard(grad) for grad in grads]
     torch._foreach_mul_(local, coefficient)
     return total
 
