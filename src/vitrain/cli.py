@@ -145,6 +145,12 @@ def _add_bench_parser(commands) -> None:
         "--precision-mode", choices=["autocast", "o2", "full"], help="default: the recipe's; autocast without --recipe"
     )
     bench.add_argument("--compile", action="store_true", help="torch.compile the model; compile time reported apart")
+    bench.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of --compile and the ladder's compile rung (default inductor; "
+        "aot_eager or eager trace without generating kernels, for dry runs)",
+    )
     bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     bench.add_argument("--repeats", type=int, default=5, help="timed windows; img/s is their median (default 5)")
@@ -340,7 +346,13 @@ def command_list_models(args: argparse.Namespace) -> int:
 def command_bench(args: argparse.Namespace) -> int:
     from vitrain.bench import BenchSettings, bench_overrides, compare_with_timm, format_table, measure_training_step
 
-    settings = BenchSettings(steps=args.steps, warmup=args.warmup, repeats=args.repeats, compile=args.compile)
+    settings = BenchSettings(
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        compile=args.compile,
+        compile_backend=args.compile_backend,
+    )
     base = get_recipe(args.recipe) if args.recipe else Config()
     flags = bench_overrides(args.model, args.image_size, args.batch, args.precision, args.precision_mode, settings)
     if args.ladder:

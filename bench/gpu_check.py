@@ -1,0 +1,291 @@
+"""The GPU acceptance run (``make gpu-check``): ``vitrain doctor``, the ``gpu`` tests, then the benchmark set,
+everything written into one record folder with a markdown summary.
+
+    python bench/gpu_check.py                      # on a CUDA machine: records/gpu-check-<date>-<gpu>/
+    python bench/gpu_check.py --device cpu --tiny  # the dry run: every stage at toy sizes on the CPU
+
+Stages (each a subprocess with its own time limit; a failed or timed-out stage is recorded and the next
+one runs):
+
+1. ``vitrain doctor --json`` (when this vitrain has it);
+2. ``pytest -m gpu`` with a JUnit report (on a machine without CUDA the tests skip, saying why);
+3. ``vitrain bench --compare-timm`` for ViT-B/16, ViT-S/16, VOLO-D1 and ResNet-50 (channels-last) at
+   224 px in bf16, vitrain's step and timm's measured in one process;
+4. ``vitrain bench --ladder`` for ViT-B/16 (fp32 -> bf16 -> fused optimizer -> attention -> compile -> O2
+   -> activation checkpointing), JSON and PNG.
+
+The full run is sized to end within 10 minutes on one H100; nothing in it needs the internet.
+Exit status: 0 when every stage passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Benchmark shapes and windows: the acceptance sizes, or toy ones for the CPU dry run."""
+
+    image_size: int = 224
+    batch: int = 256
+    resnet_batch: int = 256
+    volo_batch: int = 128
+    steps: int = 10
+    warmup: int = 3
+    repeats: int = 3
+    ladder_steps: int = 5
+    compile_backend: str = "inductor"
+    pytest_timeout: int = 240
+    bench_timeout: int = 75
+    ladder_timeout: int = 180
+
+
+TINY = Sizes(
+    image_size=32,
+    batch=2,
+    resnet_batch=2,
+    volo_batch=2,
+    steps=1,
+    warmup=1,
+    repeats=1,
+    ladder_steps=1,
+    compile_backend="eager",
+    pytest_timeout=120,
+    bench_timeout=120,
+    ladder_timeout=240,
+)
+
+# (name, vitrain model, extra bench flags)
+MODELS = [
+    ("vit_b16", "vit_base_patch16", []),
+    ("vit_s16", "vit_small_patch16", []),
+    ("volo_d1", "volo_d1", []),
+    ("resnet50_cl", "resnet50", ["--set", "train.channels_last=true"]),
+]
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    argv: list[str]
+    timeout_s: int
+    status: str = "not run"
+    seconds: float = 0.0
+    returncode: int | None = None
+
+
+def vitrain_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vitrain", *args]
+
+
+def device_label(device: str) -> str:
+    """The folder-name label of the device: the GPU's name, or ``cpu``."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-cuda"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+
+
+def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
+    common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--set", f"train.device={device}"]
+    if device == "cpu":  # the dry run checks the stages, not the CPU kernels (their build is tested apart)
+        common += ["--set", "train.cpu_kernels=native"]
+    windows = ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
+    stages = []
+    for name, model, extra in MODELS:
+        batch = {"resnet50": sizes.resnet_batch, "volo_d1": sizes.volo_batch}.get(model, sizes.batch)
+        argv = vitrain_command(
+            "bench", "--model", model, "--batch", str(batch), *common, *windows, *extra, "--compare-timm"
+        )
+        stages.append(Stage(f"bench-{name}", [*argv, "--json", str(out / f"bench-{name}.json")], sizes.bench_timeout))
+    ladder = vitrain_command(
+        "bench",
+        "--model",
+        "vit_base_patch16",
+        "--batch",
+        str(sizes.batch),
+        *common,
+        "--steps",
+        str(sizes.ladder_steps),
+        "--warmup",
+        str(max(1, sizes.warmup - 1)),
+        "--repeats",
+        str(sizes.repeats),
+        "--compile-backend",
+        sizes.compile_backend,
+        "--ladder",
+        "--json",
+        str(out / "ladder-vit_b16.json"),
+    )
+    stages.append(Stage("ladder-vit_b16", ladder, sizes.ladder_timeout))
+    return stages
+
+
+def all_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
+    pytest = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "gpu"), "-m", "gpu", "-q", "-rs"]
+    pytest += ["-p", "no:cacheprovider", f"--junitxml={out / 'pytest-gpu.xml'}"]
+    return [
+        Stage("doctor", vitrain_command("doctor", "--device", device, "--json", str(out / "doctor.json")), 60),
+        Stage("pytest-gpu", pytest, sizes.pytest_timeout),
+        *bench_stages(out, sizes, device),
+    ]
+
+
+def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> None:
+    start = time.perf_counter()
+    log_path = out / f"{stage.name}.log"
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(stage.argv) + "\n")
+        log.flush()
+        try:
+            result = subprocess.run(
+                stage.argv, stdout=log, stderr=subprocess.STDOUT, timeout=stage.timeout_s, env=env, cwd=ROOT
+            )
+            stage.returncode = result.returncode
+            stage.status = "pass" if result.returncode == 0 else "FAIL"
+        except subprocess.TimeoutExpired:
+            stage.status = f"TIMEOUT ({stage.timeout_s} s)"
+    stage.seconds = time.perf_counter() - start
+    print(f"{stage.name:24s} {stage.status:16s} {stage.seconds:7.1f} s", flush=True)
+
+
+def pytest_counts(path: Path) -> dict[str, int] | None:
+    if not path.exists():
+        return None
+    suites = ElementTree.parse(path).getroot()
+    suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def bench_rows(out: Path) -> list[str]:
+    rows = [
+        "| model | batch | vitrain img/s | timm img/s | vitrain / timm | MFU | TFLOP/s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, model, _ in MODELS:
+        result = read_json(out / f"bench-{name}.json")
+        if result is None:
+            rows.append(f"| {model} ({name}) | - | no result (see bench-{name}.log) | | | | | |")
+            continue
+        timm = result.get("timm") or {}
+        ratio = result["img_s_median"] / timm["img_s_median"] if timm.get("img_s_median") else None
+        mfu = f"{100 * result['mfu']:.1f} %" if result.get("mfu") is not None else "-"
+        memory = f"{result['peak_memory_bytes'] / 2**30:.1f}" if result.get("peak_memory_bytes") else "-"
+        rows.append(
+            f"| {model} ({name}) | {result['batch']} | {result['img_s_median']:.1f} | "
+            f"{timm.get('img_s_median', float('nan')):.1f} | {f'{ratio:.3f}' if ratio else '-'} | {mfu} | "
+            f"{result.get('achieved_tflops', float('nan')):.1f} | {memory} |"
+        )
+    return rows
+
+
+def ladder_rows(out: Path) -> list[str]:
+    result = read_json(out / "ladder-vit_b16.json")
+    if result is None:
+        return ["no ladder result (see ladder-vit_b16.log)"]
+    rows = ["| rung | img/s | x fp32 | MFU | peak GiB | chosen |", "|---|---|---|---|---|---|"]
+    for row in result["rungs"]:
+        mfu = f"{100 * row['mfu']:.1f} %" if row.get("mfu") is not None else "-"
+        memory = f"{row['peak_memory_bytes'] / 2**30:.1f}" if row.get("peak_memory_bytes") else "-"
+        rows.append(
+            f"| {row['rung']} | {row['img_s_median']:.1f} | {row['speedup']:.2f} | {mfu} | {memory} | "
+            f"{row.get('chosen') or ''} |"
+        )
+    rows += [f"\nskipped: {row['rung']}: {row['reason']}" for row in result.get("skipped", [])]
+    return rows
+
+
+def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> Path:
+    doctor = read_json(out / "doctor.json") or {}
+    counts = pytest_counts(out / "pytest-gpu.xml")
+    lines = [
+        f"# GPU acceptance run: {out.name}",
+        "",
+        f"Command: `{command}`; date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"device {device_label(device)}; git revision {git_revision()}.",
+        "",
+        "| stage | status | seconds |",
+        "|---|---|---|",
+        *(f"| {stage.name} | {stage.status} | {stage.seconds:.1f} |" for stage in stages),
+        "",
+        f"gpu tests: {counts}" if counts else "gpu tests: no JUnit report",
+        "",
+        "## Throughput (bf16 autocast, synthetic data, median of the timed windows)",
+        "",
+        *bench_rows(out),
+        "",
+        "## Speed ladder, ViT-B/16",
+        "",
+        *ladder_rows(out),
+        "",
+    ]
+    if doctor:
+        lines += ["## doctor", "", "```", json.dumps(doctor, indent=1)[:6000], "```", ""]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("VITRAIN_GIT_REVISION", "unknown")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes and windows (the CPU dry run)")
+    parser.add_argument("--out", type=Path, help="record folder (default records/gpu-check-<date>-<device>)")
+    parser.add_argument("--only", nargs="*", help="run only these stages (names as in the summary)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = TINY if args.tiny else Sizes()
+    label = f"{datetime.date.today():%Y-%m-%d}-{device_label(args.device)}"
+    out = (args.out or ROOT / "records" / f"gpu-check-{label}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")]))
+    stages = all_stages(out, sizes, args.device)
+    if args.only:
+        stages = [stage for stage in stages if stage.name in args.only]
+    for stage in stages:
+        run_stage(stage, out, env)
+    command = "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary = write_summary(out, stages, args.device, command.strip())
+    print(f"summary: {summary}")
+    return 0 if all(stage.status == "pass" for stage in stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The CUDA paths against references: precision policies against fp32, SDPA's kernels against each
+other, fused AdamW against the for-loop one, compile against eager, activation checkpointing's memory,
+channels-last ResNet-50, DDP / FSDP2 / TP over NCCL against one process, and bitwise resume.
+
+Every test is marked ``gpu`` and skipped without a CUDA device; ``make gpu-check`` runs them
+(``pytest -m gpu``). Tolerances are relative L2 errors ``|a - b| / |b|`` over whole tensors, stated
+per test with the reason for their size.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tests.conftest import SMALL_SYNTHETIC_RUN, assert_same_training_state, make_config
+from tests.dist.test_ddp import _set_args, torchrun
+from vitrain.checkpoint import find_latest_checkpoint, load_checkpoint
+from vitrain.models import build_model
+from vitrain.train import make_plan, train
+from vitrain.train.build import build_training_step
+from vitrain.train.optim import build_param_groups
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    ours, reference = ours.detach().double(), reference.detach().double()
+    return ((ours - reference).norm() / reference.norm()).item()
+
+
+def cuda_overrides(*extra: str) -> list[str]:
+    return [*SMALL_SYNTHETIC_RUN, "train.device=cuda", "optim.name=adamw", "data.image_size=28", *extra]
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 references without TF32, restored after the test."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def one_step(*overrides: str, batch: int = 32, side: int = 28):
+    """One training step of a freshly seeded model on a fixed batch: (loss, grad norm, flat fp32 gradient)."""
+    plan = make_plan(make_config(*cuda_overrides(*overrides)))
+    step = build_training_step(plan)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    images = torch.randn(batch, plan.data.in_chans, side, side, device="cuda", generator=generator)
+    labels = torch.randint(0, plan.model.num_classes, (batch,), device="cuda", generator=generator)
+    loss, grad_norm = step(images, labels)
+    grads = torch.cat([param.grad.float().reshape(-1) for param in step.model.parameters()])
+    return plan, loss.float(), grad_norm.float(), grads
+
+
+# bf16 keeps 8 mantissa bits (relative rounding 2**-9 = 2e-3 per op), fp16 11; over a 6-block forward and
+# backward the gradient's relative error stays within a few times the per-op rounding.
+POLICIES = {
+    "bf16-autocast": (["precision=bf16", "precision_mode=autocast"], 2e-2, 5e-2),
+    "bf16-o2": (["precision=bf16", "precision_mode=o2"], 2e-2, 5e-2),
+    "bf16-full": (["precision=bf16", "precision_mode=full"], 3e-2, 8e-2),
+    "fp16-autocast": (["precision=fp16", "precision_mode=autocast"], 5e-3, 1e-2),
+    "fp16-o2": (["precision=fp16", "precision_mode=o2"], 5e-3, 1e-2),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_precision_policy_tracks_fp32(policy):
+    extra, loss_tol, grad_tol = POLICIES[policy]
+    _, loss_ref, norm_ref, grads_ref = one_step("precision=fp32")
+    plan, loss, grad_norm, grads = one_step(*extra)
+    assert plan.precision.device.startswith("cuda")
+    assert torch.isfinite(loss) and torch.isfinite(grad_norm)
+    assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < loss_tol
+    assert abs(grad_norm.item() - norm_ref.item()) / norm_ref.item() < grad_tol
+    assert relative_error(grads, grads_ref) < grad_tol
+
+
+def test_auto_precision_picks_bf16_on_a_bf16_gpu():
+    plan = make_plan(make_config(*cuda_overrides("precision=auto")))
+    expected = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    assert plan.precision.dtype == expected
+
+
+# Each fused kernel (flash, memory-efficient, cuDNN) against the math kernel on fp64 inputs rounded to
+# bf16: both see the same bf16 inputs; the fused kernels accumulate in fp32 and round outputs to bf16.
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+
+@pytest.mark.parametrize("backend", list(SDPA_BACKENDS))
+def test_sdpa_kernels_agree_forward_and_backward(backend):
+    """ViT-B/16 at 224 px: 12 heads of 64 over 197 tokens (an odd length: the kernels pad it)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (8, 12, 197, 64)
+    q, k, v = (torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", generator=generator).bfloat16()
+
+    def run(kernel, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([kernel]):
+            out = F.scaled_dot_product_attention(*inputs)
+        out.backward(grad_out.to(dtype))
+        return [out, *(t.grad for t in inputs)]
+
+    reference = run(SDPBackend.MATH, torch.float64)
+    try:
+        ours = run(SDPA_BACKENDS[backend], torch.bfloat16)
+    except RuntimeError as error:  # a kernel this GPU or build lacks is reported, not failed
+        pytest.skip(f"SDPA {backend} kernel not usable here: {error}")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference, strict=True):
+        assert relative_error(got, want) < 1e-2, name
+
+
+def test_vit_attention_sdpa_equals_matmul_attention():
+    """The model's two attention cores (SDPA and the explicit matmul + softmax) give one function."""
+    torch.manual_seed(0)
+    model = build_model("vit_small_patch16", device="cuda", img_size=64, num_classes=10)
+    images = torch.randn(4, 3, 64, 64, device="cuda")
+    logits_sdpa = model(images)
+    for block in model.blocks:
+        block.attn.impl = "matmul"
+    assert relative_error(model(images), logits_sdpa) < 1e-5
+
+
+def test_fused_adamw_equals_the_for_loop_one():
+    torch.manual_seed(0)
+    model = build_model("vit_tiny6_patch7", device="cuda", num_classes=10)
+    twin = build_model("vit_tiny6_patch7", device="cuda", num_classes=10)
+    twin.load_state_dict(model.state_dict())
+    settings = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}
+    fused = torch.optim.AdamW(build_param_groups(model, 0.05), fused=True, **settings)
+    loop = torch.optim.AdamW(build_param_groups(twin, 0.05), foreach=False, fused=False, **settings)
+    for _ in range(5):
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_uses_fused_adamw_on_cuda():
+    plan = make_plan(make_config(*cuda_overrides()))
+    step = build_training_step(plan)
+    assert step.optimizer.defaults["fused"] is True
+    assert step.device_skip  # non-finite steps are skipped inside the kernel, no host sync
+
+
+def test_compile_equals_eager():
+    """inductor's kernels reorder fp32 sums: gradients agree to ~1e-5 relative, not bitwise."""
+    _, loss_ref, _, grads_ref = one_step("precision=fp32")
+    _, loss, _, grads = one_step("precision=fp32", "train.compile=true")
+    assert abs(loss.item() - loss_ref.item()) < 1e-5 * loss_ref.item()
+    assert relative_error(grads, grads_ref) < 1e-4
+
+
+def test_activation_checkpointing_saves_memory_and_changes_nothing():
+    """ViT-S/16 at 224 px, batch 32, bf16: recomputing every block keeps about one block's activations."""
+    peaks, results = {}, {}
+    for checkpointing in (0, "all"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        _, loss, _, grads = one_step(
+            "model.name=vit_small_patch16",
+            "data.image_size=224",
+            "precision=bf16",
+            f"train.activation_checkpointing={checkpointing}",
+            side=224,
+        )
+        peaks[checkpointing] = torch.cuda.max_memory_allocated()
+        results[checkpointing] = (loss, grads)
+    assert peaks["all"] < 0.6 * peaks[0], peaks
+    assert torch.equal(results["all"][0], results[0][0])
+    assert relative_error(results["all"][1], results[0][1]) < 1e-6
+
+
+def test_channels_last_resnet50_equals_contiguous():
+    """cuDNN picks other convolution algorithms for NHWC: equal up to fp32 summation order."""
+    common = ("model.name=resnet50", "data.image_size=64", "precision=fp32", "optim.name=sgd")
+    _, loss_ref, _, grads_ref = one_step(*common, batch=8, side=64)
+    plan, loss, _, grads = one_step(*common, "train.channels_last=true", batch=8, side=64)
+    assert plan.runtime.channels_last
+    assert abs(loss.item() - loss_ref.item()) < 1e-4 * loss_ref.item()
+    assert relative_error(grads, grads_ref) < 1e-3
+
+
+def _run_overrides(out_dir, *extra):
+    return cuda_overrides("model.head=gap", "train.epochs=2", "checkpoint.keep_last=5", f"train.out_dir={out_dir}", *extra)
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("cuda-one") / "run"
+    train(make_plan(make_config(*_run_overrides(out_dir))))
+    return load_checkpoint(find_latest_checkpoint(out_dir))["model"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
+def test_nccl_strategies_train_as_one_process(strategy, one_process_weights, tmp_path):
+    """Every local GPU, one process each (torchrun), NCCL; the global batch is the same, so the weights
+    match one process up to reduction order."""
+    nproc = torch.cuda.device_count()
+    out_dir = tmp_path / "run"
+    extra = [f"parallel.strategy={strategy}", "checkpoint.format=file"]
+    result = torchrun(["train", *_set_args(_run_overrides(out_dir, *extra))], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-4000:]
+    weights = load_checkpoint(find_latest_checkpoint(out_dir))["model"]
+    for key, reference in one_process_weights.items():
+        assert relative_error(weights[key], reference) < 1e-4, key
+
+
+def test_resume_on_cuda_is_bitwise(tmp_path, monkeypatch):
+    """Deterministic algorithms (cuBLAS workspace pinned): a run resumed mid-training ends bitwise equal."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        overrides = _run_overrides(tmp_path / "straight", "model.drop_path_rate=0.1", "checkpoint.every_steps=1")
+        overrides += ["checkpoint.keep_last=100"]
+        straight = make_plan(make_config(*overrides))
+        train(straight)
+        resumed_dir = tmp_path / "resumed"
+        (resumed_dir / "checkpoints").mkdir(parents=True)
+        shutil.copy(straight.out_dir / "checkpoints" / "step-000000007.pt", resumed_dir / "checkpoints")
+        train(make_plan(make_config(*overrides, f"train.out_dir={resumed_dir}")), resume="auto")
+        assert_same_training_state(find_latest_checkpoint(resumed_dir), find_latest_checkpoint(straight.out_dir))
+    finally:
+        torch.use_deterministic_algorithms(False)
