@@ -141,7 +141,9 @@ def check_optional_packages(context: Context) -> list[Check]:
         if version is not None:
             checks.append(Check(SECTION, module, "PASS", f"{version}" + (f" ({use})" if use else ""), data=data))
         elif use is not None:
-            checks.append(Check(SECTION, module, "WARN", "not installed", f"pip install {distribution} for {use}", data))
+            checks.append(
+                Check(SECTION, module, "WARN", "not installed", f"pip install {distribution} for {use}", data)
+            )
         else:
             checks.append(Check(SECTION, module, "PASS", "not installed (vitrain does not need it)", data=data))
     return checks
