@@ -227,7 +227,31 @@ def test_optional_packages_never_fail(monkeypatch):
 
 
 def test_kernels_without_a_compiler_warn(monkeypatch):
-    monkeypatch.setattr(cpu.build, "cached_build", lambda: None)
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: ("missing", None))
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
     (line,) = cpu.check_kernels(Context(synthetic_config()))
     assert line.status == "WARN" and "compiler" in line.value and line.fix
+
+
+@pytest.mark.parametrize("state", ["missing", "locked", "stale"])
+def test_kernels_are_never_compiled_or_waited_for(monkeypatch, tmp_path, state):
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: (state, None if state == "missing" else tmp_path / "lock"))
+    monkeypatch.setattr(cpu.build, "load", lambda: pytest.fail("the doctor must not build"))
+    (line,) = cpu.check_kernels(Context(synthetic_config()))
+    assert line.data["cache"] == state and not line.data["loaded"]
+    assert (line.status == "WARN") == (state == "locked") or line.data["compiler"] is None
+
+
+def test_cache_state_reads_torch_cache(monkeypatch, tmp_path):
+    folder = tmp_path / cpu.build.extension_name()
+    folder.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu.build.cache_state() == ("missing", None)
+    library = folder / f"{cpu.build.extension_name()}.so"
+    library.write_bytes(b"")
+    (folder / "build.ninja").write_text(f"build module.o: compile {cpu.build.SOURCES[0]}\n")
+    assert cpu.build.cache_state() == ("fresh", library)
+    (folder / "build.ninja").write_text("build module.o: compile /elsewhere/module.cpp\n")
+    assert cpu.build.cache_state()[0] == "stale"
+    (folder / "lock").write_bytes(b"")
+    assert cpu.build.cache_state() == ("locked", folder / "lock")

@@ -102,28 +102,38 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
+def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | None, data: dict) -> Check:
+    """The line for a cache :func:`load` would compile into or wait on (minutes): the doctor does not load."""
+    if state == "locked":
+        fix = f"if no vitrain or ninja process is building them now, delete {path} (a killed build left it)"
+        return Check(SECTION, "fused kernels", "WARN", f"locked: {path} exists, loading waits for it", fix, data)
+    missing = [name for name, found in (("a C++ compiler", compiler), ("ninja", ninja)) if found is None]
+    if missing:
+        fix = f"install {' and '.join(missing)} (e.g. apt-get install g++ ninja-build); bf16 CPU runs need it"
+        return Check(SECTION, "fused kernels", "WARN", f"cannot build: no {', no '.join(missing)}", fix, data)
+    when = "not built yet" if state == "missing" else f"cached build at {path} is out of date"
+    value = f"{when}; {compiler} found, the first bf16 CPU run builds them (a few minutes)"
+    return Check(SECTION, "fused kernels", "PASS", value, data=data)
+
+
 def check_kernels(context: Context) -> list[Check]:
-    """Loads the extension only when torch's cache holds a build: a first build takes minutes."""
+    """Loads the extension only from a fresh cache: compiling takes minutes."""
     compiler, ninja = _compiler(), shutil.which("ninja")
-    cached = build.cached_build()
-    data = {"compiler": compiler, "ninja": ninja, "cached": str(cached) if cached else None, "loaded": False}
+    state, path = build.cache_state()
+    data = {"compiler": compiler, "ninja": ninja, "cache": state, "path": str(path) if path else None}
+    data["loaded"] = False
     if build.current_mode() == "native":
         return [Check(SECTION, "fused kernels", "PASS", "off (train.cpu_kernels=native)", data=data)]
-    if cached is None:
-        missing = [name for name, path in (("a C++ compiler", compiler), ("ninja", ninja)) if path is None]
-        if missing:
-            fix = f"install {' and '.join(missing)} (e.g. apt-get install g++ ninja-build); bf16 CPU runs need it"
-            return [Check(SECTION, "fused kernels", "WARN", f"cannot build: no {', no '.join(missing)}", fix, data)]
-        value = f"not built yet; {compiler} found, the first bf16 CPU run builds them (a few minutes)"
-        return [Check(SECTION, "fused kernels", "PASS", value, data=data)]
+    if state != "fresh":
+        return [_kernels_not_loaded(state, path, compiler, ninja, data)]
     module = build.load()
     data["loaded"] = module is not None
     if module is None:
         fix = "install a C++ compiler and ninja, or set train.cpu_kernels=native to use PyTorch's ops"
-        return [Check(SECTION, "fused kernels", "WARN", f"build failed: {build.failure()}", fix, data)]
+        return [Check(SECTION, "fused kernels", "WARN", f"load failed: {build.failure()}", fix, data)]
     amx = bool(module.amx_available()) and cpu_features.amx_allowed()
     data["amx_tiles"] = amx
-    value = f"built, cached in {cached.parent}" + (", AMX tiles" if amx else "")
+    value = f"built, cached in {path.parent}" + (", AMX tiles" if amx else "")
     return [Check(SECTION, "fused kernels", "PASS", value, data=data)]
 
 

@@ -79,6 +79,28 @@ def cached_build() -> Path | None:
     return libraries[-1] if libraries else None
 
 
+CacheState = Literal["missing", "locked", "stale", "fresh"]
+
+
+def cache_state() -> tuple[CacheState, Path | None]:
+    """What :func:`load` would find in torch's cache, without loading: ``missing`` (it compiles, minutes),
+    ``locked`` (torch's ``lock`` file is there: a build is under way, or a killed build left it and every
+    load waits for it forever), ``stale`` (a build older than the sources or of other sources: it
+    recompiles) or ``fresh`` (it loads). Returns the state and the library (or lock) path."""
+    library = cached_build()
+    if library is None:
+        return "missing", None
+    lock = library.parent / "lock"
+    if lock.exists():
+        return "locked", lock
+    ninja_file = library.parent / "build.ninja"
+    built_from_these = ninja_file.is_file() and str(SOURCES[0]) in ninja_file.read_text()
+    newest_source = max(path.stat().st_mtime for path in SOURCES + HEADERS if path.is_file())
+    if not built_from_these or library.stat().st_mtime < newest_source:
+        return "stale", library
+    return "fresh", library
+
+
 def failure() -> str | None:
     """Why :func:`load` could not build or load the extension; None before a failure."""
     return _failure
