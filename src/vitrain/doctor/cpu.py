@@ -112,7 +112,7 @@ def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | Non
         fix = f"install {' and '.join(missing)} (e.g. apt-get install g++ ninja-build); bf16 CPU runs need it"
         return Check(SECTION, "fused kernels", "WARN", f"cannot build: no {', no '.join(missing)}", fix, data)
     when = "not built yet" if state == "missing" else f"cached build at {path} is out of date"
-    value = f"{when}; {compiler} found, the first bf16 CPU run builds them (a few minutes)"
+    value = f"{when}; {compiler} found, the first bf16 CPU run builds and caches them"
     return Check(SECTION, "fused kernels", "PASS", value, data=data)
 
 
