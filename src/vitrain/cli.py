@@ -4,7 +4,7 @@ Exit codes: 0 success; 1 unexpected failure, or training diverged (too many non-
 row); 2 bad input (config, paths, checkpoints: unsafe, unreadable, unwritable or a full disk; more
 undecodable images than data.max_bad_fraction allows); 3 preempted (SIGTERM or SIGUSR1: the step
 finished, a checkpoint was saved; continue with ``--resume auto``); 130 interrupted (Ctrl-C, no
-checkpoint); check-data: 1 when it found bad files.
+checkpoint); check-data: 1 when it found bad files; doctor: 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -101,7 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_slurm_parser(commands)
     _add_check_data_parser(commands)
+    _add_doctor_parser(commands)
     return parser
+
+
+def _add_doctor_parser(commands) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check what this machine can do for vitrain: CPU, GPUs, environment (exit 1 if a check fails)",
+    )
+    _add_config_arguments(doctor)
+    doctor.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="the device you mean to train on: cuda makes a missing GPU a failure, cpu skips the GPU checks",
+    )
+    doctor.add_argument("--out", type=Path, help="folder runs will be written to (default: the recipe's run root)")
+    doctor.add_argument("--json", type=Path, help="also write every check as JSON to this file")
 
 
 def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
@@ -440,6 +457,15 @@ def command_check_data(args: argparse.Namespace) -> int:
     return 1 if report.num_bad else 0
 
 
+def command_doctor(args: argparse.Namespace) -> int:
+    from vitrain.doctor import format_report, run_doctor
+
+    report = run_doctor(load_config(get_recipe(args.recipe), args), device=args.device, out=args.out)
+    print(format_report(report))
+    _write_json(args.json, report.to_dict())
+    return report.exit_code
+
+
 COMMANDS = {
     "train": command_train,
     "eval": command_eval,
@@ -452,6 +478,7 @@ COMMANDS = {
     "bench": command_bench,
     "slurm": command_slurm,
     "check-data": command_check_data,
+    "doctor": command_doctor,
 }
 
 

@@ -129,9 +129,14 @@ def _resolve_device(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+def auto_precision(hardware: Hardware) -> str:
+    """What ``precision=auto`` picks: bf16 where the device computes it natively, else fp32."""
+    return "bf16" if hardware.bf16_supported else "fp32"
+
+
 def _resolve_precision(requested: str, hardware: Hardware) -> str:
     if requested == "auto":
-        return "bf16" if hardware.bf16_supported else "fp32"
+        return auto_precision(hardware)
     _require(
         requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
         "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",

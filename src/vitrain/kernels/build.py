@@ -59,7 +59,54 @@ def _compile_flags(capability: str) -> list[str]:
     return flags
 
 
-def _build() -> ModuleType:
+def _capability() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512" if capability.startswith("AVX512") else capability  # AVX512 / AVX2 / DEFAULT
+
+
+def extension_name() -> str:
+    """The name torch's JIT loader builds and caches the extension under, one per vector ISA."""
+    return f"vitrain_cpu_kernels_{_capability().lower()}"
+
+
+def cached_build() -> Path | None:
+    """The shared library of a previous build in torch's extension cache, or None: whether
+    :func:`load` would load rather than compile (it still rebuilds when the sources changed)."""
+    cpp_extension = _cpp_extension()
+    # torch's own rule: $TORCH_EXTENSIONS_DIR/<name>, or a per-Python, per-CUDA folder in its default root
+    folder = Path(cpp_extension._get_build_directory(extension_name(), verbose=False))
+    libraries = sorted(folder.glob(f"{extension_name()}*.so"), key=lambda path: path.stat().st_mtime)
+    return libraries[-1] if libraries else None
+
+
+CacheState = Literal["missing", "locked", "stale", "fresh"]
+
+
+def cache_state() -> tuple[CacheState, Path | None]:
+    """What :func:`load` would find in torch's cache, without loading: ``missing`` (it compiles, minutes),
+    ``locked`` (torch's ``lock`` file is there: a build is under way, or a killed build left it and every
+    load waits for it forever), ``stale`` (a build older than the sources or of other sources: it
+    recompiles) or ``fresh`` (it loads). Returns the state and the library (or lock) path."""
+    library = cached_build()
+    if library is None:
+        return "missing", None
+    lock = library.parent / "lock"
+    if lock.exists():
+        return "locked", lock
+    ninja_file = library.parent / "build.ninja"
+    built_from_these = ninja_file.is_file() and str(SOURCES[0]) in ninja_file.read_text()
+    newest_source = max(path.stat().st_mtime for path in SOURCES + HEADERS if path.is_file())
+    if not built_from_these or library.stat().st_mtime < newest_source:
+        return "stale", library
+    return "fresh", library
+
+
+def failure() -> str | None:
+    """Why :func:`load` could not build or load the extension; None before a failure."""
+    return _failure
+
+
+def _cpp_extension() -> ModuleType:
     # importing cpp_extension warns that no CUDA runtime was found: irrelevant to a CPU extension
     quiet = logging.getLogger("torch.utils.cpp_extension")
     level = quiet.level
@@ -68,16 +115,19 @@ def _build() -> ModuleType:
         from torch.utils import cpp_extension
     finally:
         quiet.setLevel(level)
+    return cpp_extension
 
+
+def _build() -> ModuleType:
+    cpp_extension = _cpp_extension()
     missing = [path.name for path in SOURCES + HEADERS if not path.is_file()]
     if missing:  # an install that left them out; the compiler's own message would not say so
         raise FileNotFoundError(
             f"kernel sources missing from {Path(__file__).parent}: {', '.join(missing)}; reinstall vitrain"
         )
-    capability = torch.backends.cpu.get_cpu_capability()
-    capability = "AVX512" if capability.startswith("AVX512") else capability  # AVX512 / AVX2 / DEFAULT
+    capability = _capability()
     return cpp_extension.load(
-        name=f"vitrain_cpu_kernels_{capability.lower()}",
+        name=extension_name(),
         sources=[str(source) for source in SOURCES],
         extra_cflags=_compile_flags(capability),
         extra_ldflags=["-fopenmp"],
