@@ -8,13 +8,18 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: train test install data lint
+.PHONY: train test install data lint gpu-check
 
 train: install data
 	$(BIN)/vitrain train
 
 test: install data
 	$(BIN)/python -m pytest
+
+# On a CUDA machine: vitrain doctor, pytest -m gpu and the benchmark set into records/gpu-check-<date>-<gpu>/
+# (docs/gpu-check.md); under 10 minutes on one H100.
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py
 
 install: $(STAMP)
 

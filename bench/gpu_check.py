@@ -48,9 +48,9 @@ class Sizes:
     repeats: int = 3
     ladder_steps: int = 5
     compile_backend: str = "inductor"
-    pytest_timeout: int = 240
-    bench_timeout: int = 75
-    ladder_timeout: int = 180
+    pytest_timeout: int = 220
+    bench_timeout: int = 60
+    ladder_timeout: int = 150
 
 
 TINY = Sizes(
@@ -146,7 +146,9 @@ def all_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     ]
 
 
-def run_stage(stage: Stage, out: Path, env: dict[str, str]) -> None:
+def run_stage(stage: Stage, out: Path, env: dict[str, str], seconds_left: float) -> None:
+    """Run one stage, within its own limit and the time left to the whole run."""
+    stage.timeout_s = max(1, int(min(stage.timeout_s, seconds_left)))
     start = time.perf_counter()
     log_path = out / f"{stage.name}.log"
     with log_path.open("w") as log:
@@ -265,6 +267,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="toy sizes and windows (the CPU dry run)")
     parser.add_argument("--out", type=Path, help="record folder (default records/gpu-check-<date>-<device>)")
     parser.add_argument("--only", nargs="*", help="run only these stages (names as in the summary)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=560.0,
+        help="the whole run's limit in seconds; later stages get what is left",
+    )
     return parser.parse_args(argv)
 
 
@@ -279,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     stages = all_stages(out, sizes, args.device)
     if args.only:
         stages = [stage for stage in stages if stage.name in args.only]
+    deadline = time.perf_counter() + args.deadline_s
     for stage in stages:
-        run_stage(stage, out, env)
+        seconds_left = deadline - time.perf_counter()
+        if seconds_left < 5:
+            stage.status = "not run (deadline)"
+            continue
+        run_stage(stage, out, env, seconds_left)
     command = "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = write_summary(out, stages, args.device, command.strip())
     print(f"summary: {summary}")

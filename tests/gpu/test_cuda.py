@@ -26,7 +26,9 @@ from vitrain.train.optim import build_param_groups
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+    ),
 ]
 
 
@@ -197,7 +199,9 @@ def test_channels_last_resnet50_equals_contiguous():
 
 
 def _run_overrides(out_dir, *extra):
-    return cuda_overrides("model.head=gap", "train.epochs=2", "checkpoint.keep_last=5", f"train.out_dir={out_dir}", *extra)
+    return cuda_overrides(
+        "model.head=gap", "train.epochs=2", "checkpoint.keep_last=5", f"train.out_dir={out_dir}", *extra
+    )
 
 
 @pytest.fixture(scope="module")
