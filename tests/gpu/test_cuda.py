@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests.conftest import SMALL_SYNTHETIC_RUN, assert_same_training_state, make_config
 from tests.dist.test_ddp import _set_args, torchrun
 from vitrain.checkpoint import find_latest_checkpoint, load_checkpoint
+from vitrain.cli import main
 from vitrain.models import build_model
 from vitrain.train import make_plan, train
 from vitrain.train.build import build_training_step
@@ -199,22 +200,27 @@ def test_channels_last_resnet50_equals_contiguous():
 
 
 def _run_overrides(out_dir, *extra):
-    return cuda_overrides(
-        "model.head=gap", "train.epochs=2", "checkpoint.keep_last=5", f"train.out_dir={out_dir}", *extra
-    )
+    # attention pinned: model.attn_impl=auto times both kernels at build, and two processes may choose apart
+    common = ("model.head=gap", "model.attn_impl=sdpa", "train.epochs=2", "checkpoint.keep_last=5")
+    return cuda_overrides(*common, f"train.out_dir={out_dir}", *extra)
 
 
 @pytest.fixture(scope="module")
 def one_process_weights(tmp_path_factory):
+    """The same command in this process (the CLI's default recipe underneath, as under torchrun), with
+    the TF32 settings of a fresh process (module fixtures are set up before ``exact_fp32``)."""
     out_dir = tmp_path_factory.mktemp("cuda-one") / "run"
-    train(make_plan(make_config(*_run_overrides(out_dir))))
+    assert main(["train", *_set_args(_run_overrides(out_dir))]) == 0
     return load_checkpoint(find_latest_checkpoint(out_dir))["model"]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_nccl_strategies_train_as_one_process(strategy, one_process_weights, tmp_path):
     """Every local GPU, one process each (torchrun), NCCL; the global batch is the same, so the weights
-    match one process up to reduction order."""
+    match one process up to reduction order and nondeterministic kernels, which AdamW's normalized
+    steps amplify over 12 steps for near-zero gradients: 1e-3 relative per tensor. With one GPU the
+    model is not wrapped (one process is the whole world): the test then covers the NCCL process group
+    and the torchrun launch; the sharded paths are checked on CPU with gloo (tests/dist)."""
     nproc = torch.cuda.device_count()
     out_dir = tmp_path / "run"
     extra = [f"parallel.strategy={strategy}", "checkpoint.format=file"]
@@ -222,7 +228,7 @@ def test_nccl_strategies_train_as_one_process(strategy, one_process_weights, tmp
     assert result.returncode == 0, result.stderr[-4000:]
     weights = load_checkpoint(find_latest_checkpoint(out_dir))["model"]
     for key, reference in one_process_weights.items():
-        assert relative_error(weights[key], reference) < 1e-4, key
+        assert relative_error(weights[key], reference) < 1e-3, key
 
 
 def test_resume_on_cuda_is_bitwise(tmp_path, monkeypatch):
