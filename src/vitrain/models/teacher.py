@@ -128,8 +128,14 @@ def _vitrain_teacher(
     try:
         load_weights(teacher, dict(state_dict))
     except RuntimeError as error:
-        raise TeacherError(f"{source}: the weights do not fit {name}: {str(error).splitlines()[0]}") from None
+        raise TeacherError(f"the weights do not fit {name}: {_load_problem(error)}") from None
     return teacher
+
+
+def _load_problem(error: RuntimeError) -> str:
+    """The first lines of ``load_state_dict``'s complaint (missing, unexpected or mismatched keys), shortened."""
+    details = " ".join(line.strip() for line in str(error).splitlines()[1:3])
+    return details[:300] + ("..." if len(details) > 300 else "")
 
 
 def _class_count_error(source: Any, teacher_classes: int, data_classes: int) -> TeacherError:
@@ -187,8 +193,7 @@ def _timm_teacher(name: str, weights: str | Path | None, num_classes: int, in_ch
     try:
         teacher.load_state_dict(state_dict)
     except RuntimeError as error:
-        details = " ".join(line.strip() for line in str(error).splitlines()[1:3])
-        raise TeacherError(f"{path} does not hold weights of timm's {name}: {details}") from None
+        raise TeacherError(f"{path} does not hold weights of timm's {name}: {_load_problem(error)}") from None
     return teacher
 
 
