@@ -316,3 +316,29 @@ def test_a_teacher_for_other_classes_fails_at_build_naming_both_counts(teacher_r
     plan = make_plan(_student(folder, tmp_path, "data.synthetic_num_classes=4"))
     with pytest.raises(ConfigError, match=r"train.teacher=.*10 classes but the data has 4"):
         build_run(plan)
+
+
+def test_a_distilled_student_exports_evaluates_by_the_mean_and_fine_tunes(teacher_run, tmp_path, one_thread):
+    from vitrain.models import load_pretrained
+
+    folder, _, _ = teacher_run
+    train(make_plan(_student(folder, tmp_path)))
+    checkpoint = sorted((tmp_path / "student" / "checkpoints").glob("step-*.pt"))[-1]
+    exported = tmp_path / "student.safetensors"
+    export_model(checkpoint, exported)
+    student = load_teacher(exported, num_classes=10)  # the export's metadata rebuilds the distilled model
+    assert student.args.distill_token
+    weights, _ = read_checkpoint_model(checkpoint)
+    images = torch.randn(2, 3, 14, 14)
+    with torch.no_grad():
+        cls_logits, dist_logits = student.forward_distill(images)
+        assert torch.allclose(student(images), (cls_logits + dist_logits) / 2)
+    assert torch.equal(student.head_dist.weight, weights["head_dist.weight"])
+    finetuned = build_model("vit_tiny6_patch7", img_size=28, num_classes=3, distill_token=True)
+    assert sorted(load_pretrained(finetuned, weights)) == [
+        "head.bias",
+        "head.weight",
+        "head_dist.bias",
+        "head_dist.weight",
+    ]
+    assert torch.equal(finetuned.dist_token, weights["dist_token"])
