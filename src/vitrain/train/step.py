@@ -271,7 +271,10 @@ class TrainStep:
             with deferred_gradient_sync(self.forward_module):
                 if self.teacher is not None:
                     self._teacher_logits(images)
-                sum(logits.sum() for logits in _as_pair(self._forward(images))).backward()
+                outputs = self._forward(images)
+                sum(
+                    logits.float().sum() for logits in (outputs if isinstance(outputs, tuple) else (outputs,))
+                ).backward()
         self.optimizer.zero_grad(set_to_none=True)
         for module in (self.model, self.forward_module):
             for param in module.parameters():
