@@ -30,8 +30,8 @@ def test_builds_on_meta_with_same_parameters(name):
     meta = build_model(name, device="meta", **_tiny(name))
     assert all(parameter.is_meta for parameter in meta.parameters())
     real = build_model(name, img_size=2 * model_spec(name).args.patch_size, **_tiny(name))
-    grid_tokens = 4 + (1 if real.cls_token is not None else 0)
-    assert real.pos_embed.shape[1] == grid_tokens
+    prefix = (real.cls_token is not None) + (real.dist_token is not None)
+    assert real.pos_embed.shape[1] == 4 + prefix and real.num_prefix_tokens == prefix
     assert num_parameters(meta) - meta.pos_embed.numel() == num_parameters(real) - real.pos_embed.numel()
 
 
@@ -40,11 +40,13 @@ def test_builds_on_meta_with_same_parameters(name):
 def test_forward_backward_shapes(name, head):
     images, size = _small_input(name)
     torch.manual_seed(0)
-    model = build_model(name, img_size=size, num_classes=7, head=head, drop_path_rate=0.1, **_tiny(name))
+    distilled = model_spec(name).args.distill_token and head == "cls"  # the distillation head reads the CLS token
+    options = {**_tiny(name), "distill_token": distilled}
+    model = build_model(name, img_size=size, num_classes=7, head=head, drop_path_rate=0.1, **options)
     logits = model(images)
     assert logits.shape == (2, 7)
     tokens = model.forward_features(images)
-    assert tokens.shape == (2, 4 + (head == "cls"), model.args.embed_dim)
+    assert tokens.shape == (2, 4 + (head == "cls") + distilled, model.args.embed_dim)
     assert model.forward_head(tokens, pre_logits=True).shape == (2, model.args.embed_dim)
     logits.sum().backward()
     for parameter_name, parameter in model.named_parameters():
@@ -305,8 +307,11 @@ def _assert_same_logits(reference, model, img_size: int) -> None:
 SMALL_TIMM_VARIANTS = [
     name
     for name in TIMM_NAMES
-    if name.startswith(("vit_", "deit_")) and name.split("_")[1] in ("tiny", "small", "base")
+    if name.startswith(("vit_", "deit_"))
+    and name.split("_")[1] in ("tiny", "small", "base")
+    and "distilled" not in name
 ]
+DISTILLED_TIMM_VARIANTS = [name for name in TIMM_NAMES if "distilled" in name]
 LARGE_TIMM_VARIANTS = ["vit_large_patch16", "vit_huge_patch14"]
 
 
@@ -316,6 +321,25 @@ def test_logits_equal_timm_with_copied_weights(ours, head):
     reference, model = _timm_pair(ours, head, 64, num_classes=5)
     assert model.args.head == head and model.args.num_classes == 5 and model.args.img_size == 64
     _assert_same_logits(reference, model, 64)
+
+
+@pytest.mark.parametrize("ours", DISTILLED_TIMM_VARIANTS)
+def test_distilled_logits_equal_timm_in_eval_and_both_heads_in_training(ours):
+    """DeiT's distilled models: eval logits (the mean of the heads) and, with dropout and stochastic depth
+    off, both heads of a training forward against timm's ``set_distilled_training(True)``."""
+    torch.manual_seed(0)
+    reference = timm.create_model(timm_name(ours), pretrained=False, img_size=32, num_classes=5, depth=2).eval()
+    model = from_timm(reference, depth=2).eval()
+    assert model.args.distill_token and model.num_prefix_tokens == 2
+    _assert_same_logits(reference, model, 32)
+    model = from_timm(reference, depth=2, drop_path_rate=0.0).train()
+    reference.train().set_distilled_training(True)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs, ours_pair = reference(images), model.forward_distill(images)
+    assert len(theirs) == len(ours_pair) == 2
+    for mine, timm_head in zip(ours_pair, theirs, strict=True):
+        assert torch.allclose(mine, timm_head, atol=1e-5), (mine - timm_head).abs().max()
 
 
 @pytest.mark.slow

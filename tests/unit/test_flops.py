@@ -27,6 +27,7 @@ def _measured_flops(model: torch.nn.Module, img_size: int) -> int:
         ("locality_vit_tiny6_patch7", 28, {"head": "gap", "in_chans": 1, "num_classes": 10}),
         ("vit_giant_patch14", 28, {"depth": 2}),
         ("vit_tiny_patch16", 224, {"stem": "conv"}),
+        ("deit_tiny_distilled_patch16", 32, {}),  # 6 tokens of which 2 prefix: the extra token shows
         ("localvit_tiny6_patch7", 32, {"stem": "conv", "patch_size": 8, "in_chans": 1, "head": "gap"}),
     ],
 )

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
+from vitrain.config import ConfigError
 from vitrain.recipes import get_recipe
 from vitrain.train import make_plan, train
 
@@ -112,10 +113,22 @@ BOREALIS_COMMON: dict[str, Any] = {
     "data.repeated_aug": 3,
 }
 
+DEIT_DISTILLED: dict[str, Any] = {
+    **DEIT_COMMON,
+    "train.distill": "hard",  # README commands --distillation-type hard; sec. 5.2 "hard distillation"
+    "train.distill_alpha": 0.5,  # main.py --distillation-alpha default
+    "train.distill_tau": 1.0,  # main.py --distillation-tau default
+    "train.teacher": "regnety_160",  # README commands --teacher-model regnety_160 (RegNetY-16GF, sec. 5.2)
+    "train.teacher_weights": None,  # the user's local copy of regnety_160-a5fe301d.pth
+}
+
 EXPECTED: dict[str, dict[str, Any]] = {
     "deit_ti_300ep": {**DEIT_COMMON, "model.name": "deit_tiny_patch16"},
     "deit_s_300ep": {**DEIT_COMMON, "model.name": "deit_small_patch16"},
     "deit_b_300ep": {**DEIT_COMMON, "model.name": "deit_base_patch16"},
+    "deit_ti_distilled_300ep": {**DEIT_DISTILLED, "model.name": "deit_tiny_distilled_patch16"},
+    "deit_s_distilled_300ep": {**DEIT_DISTILLED, "model.name": "deit_small_distilled_patch16"},
+    "deit_b_distilled_300ep": {**DEIT_DISTILLED, "model.name": "deit_base_distilled_patch16"},
     "deit3_s": {
         **DEIT3_COMMON,
         "model.name": "vit_small_patch16",  # no LayerScale in vitrain's ViT (docstring says so)
@@ -191,12 +204,32 @@ def test_recipe_holds_the_published_values(name):
     assert not differing, f"{name}: (recipe, published) per key: {differing}"
 
 
+@pytest.fixture
+def teacher_weights(tmp_path):
+    """A stand-in for the distilled recipes' teacher weights file: resolve checks only that it exists."""
+    path = tmp_path / "regnety_160.pth"
+    path.touch()
+    return path
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_recipe_resolves_to_its_batch_and_lr(name):
+def test_recipe_resolves_to_its_batch_and_lr(name, teacher_weights):
     config = get_recipe(name)
+    if config.train.teacher is not None:
+        config.train.teacher_weights = teacher_weights
     plan = make_plan(make_config("data.name=synthetic", base=config))
     assert plan.batch.global_batch == config.train.batch_size
     assert plan.schedule.lr == pytest.approx(config.optim.lr * config.train.batch_size / config.optim.reference_batch)
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(EXPECTED) if "distilled" in name])
+def test_distilled_recipe_asks_for_the_teacher_weights(name, teacher_weights):
+    with pytest.raises(ConfigError, match="--set train.teacher_weights=PATH"):
+        make_plan(make_config("data.name=synthetic", base=get_recipe(name)))
+    plan = make_plan(
+        make_config("data.name=synthetic", f"train.teacher_weights={teacher_weights}", base=get_recipe(name))
+    )
+    assert (plan.step.distill.kind, plan.step.distill.teacher) == ("hard", "regnety_160")
 
 
 def test_deit_peak_lr_is_1e_3_at_batch_1024():

@@ -8,7 +8,7 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
 - :class:`ParallelPlan` -> ``parallelize``; :class:`OptimizerPlan` -> ``build_optimizer``;
 - :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders
   (its :class:`MixPlan` -> the batch mixer);
-- :class:`StepPlan`, :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
+- :class:`StepPlan` (its :class:`DistillPlan` -> the teacher and the distillation loss), :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
   process and model conversions, the loop, the checkpoints; :class:`EmaPlan` -> the weight EMA.
 """
 
@@ -239,6 +239,21 @@ class DataPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillPlan:
+    """Knowledge distillation (``train.distill``, DeiT): the teacher to load and how its logits enter the loss."""
+
+    kind: Literal["soft", "hard"]
+    alpha: float
+    """Weight of the distillation term; the label loss gets 1 - alpha."""
+    tau: float
+    """Temperature of soft distillation."""
+    teacher: str
+    """Run folder, checkpoint, .safetensors file or timm model name (``vitrain.models.teacher.load_teacher``)."""
+    teacher_weights: Path | None = None
+    teacher_model: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """The loss and update settings of the training step besides precision and batch."""
 
@@ -247,6 +262,8 @@ class StepPlan:
     grad_clip: float | None
     loss: Literal["ce", "bce"] = "ce"
     """Softmax cross-entropy, or binary cross-entropy per class (DeiT III)."""
+    distill: DistillPlan | None = None
+    """Knowledge distillation from a teacher; None: off."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,7 @@ MODEL_OPTIONS = (
     "drop_rate",
     "attn_drop_rate",
     "drop_path_rate",
+    "distill_token",
 )
 
 
@@ -574,10 +575,100 @@ def _ema_plan(config: Config, total_steps: int | None) -> parts.EmaPlan:
     )
 
 
+def _check_distill_token(config: Config) -> bool:
+    """Whether the student has a distillation token (set here or by the variant), which needs the CLS head."""
+    from vitrain.models import model_spec
+
+    args = model_spec(config.model.name).args
+    token = (
+        config.model.distill_token if config.model.distill_token is not None else getattr(args, "distill_token", False)
+    )
+    head = config.model.head or getattr(args, "head", None)
+    _require(
+        not token or head == "cls",
+        f"model.distill_token=true with model.head={head}: the distillation head reads the CLS and distillation "
+        "tokens; set model.head=cls or model.distill_token=false",
+    )
+    return token
+
+
+def _check_teacher_source(train: Any) -> None:
+    """The teacher's files exist and the keys fit its kind (a timm name needs its local weights file)."""
+    from vitrain.models import model_spec
+    from vitrain.models.teacher import WEIGHTS_SUFFIXES, teacher_source_kind
+
+    kind = teacher_source_kind(train.teacher)
+    if kind == "timm":
+        _require(
+            train.teacher_weights is not None,
+            f"train.teacher={train.teacher} is a timm model name and nothing is downloaded: pass "
+            "--set train.teacher_weights=PATH (a local .safetensors, .pth or .bin file of its weights)",
+        )
+        _require(
+            Path(train.teacher_weights).is_file() and Path(train.teacher_weights).suffix in WEIGHTS_SUFFIXES,
+            f"train.teacher_weights={train.teacher_weights}: no such .safetensors/.pth/.bin file; give the path "
+            f"of {train.teacher}'s weights",
+        )
+    else:
+        _require(
+            Path(train.teacher).exists(),
+            f"train.teacher={train.teacher}: no such run folder or file; give a run folder, a checkpoint, a "
+            ".safetensors file from `vitrain export` or a timm model name",
+        )
+        _require(
+            train.teacher_weights is None,
+            f"train.teacher_weights is for a timm-name teacher; train.teacher={train.teacher} holds its own "
+            "weights: remove train.teacher_weights",
+        )
+    _require(
+        train.teacher_model is None or kind == "safetensors",
+        "train.teacher_model names the model of a .safetensors teacher; remove it for other teachers",
+    )
+    if train.teacher_model is not None:
+        try:
+            model_spec(train.teacher_model)
+        except KeyError as error:
+            raise ConfigError(f"train.teacher_model: {error.args[0]}") from None
+
+
+def _distill_plan(config: Config) -> parts.DistillPlan | None:
+    """Knowledge distillation; the teacher keys without train.distill, or distillation without a teacher,
+    are mistakes. Loading the teacher (and checking its classes and image size) waits for the build."""
+    train = config.train
+    _check_distill_token(config)
+    if train.distill == "none":
+        for key in ("teacher", "teacher_weights", "teacher_model"):
+            _require(
+                getattr(train, key) is None,
+                f"train.{key} has no effect without distillation; set train.distill=hard or soft, or remove it",
+            )
+        return None
+    _require(
+        train.teacher is not None,
+        f"train.distill={train.distill} needs a teacher: set train.teacher to a run folder, checkpoint, "
+        ".safetensors file or timm model name",
+    )
+    _check_teacher_source(train)
+    return parts.DistillPlan(
+        kind=train.distill,
+        alpha=train.distill_alpha,
+        tau=train.distill_tau,
+        teacher=train.teacher,
+        teacher_weights=train.teacher_weights,
+        teacher_model=train.teacher_model,
+    )
+
+
 def _training_parts(config: Config) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
+    step = parts.StepPlan(
+        label_smoothing=train.label_smoothing,
+        grad_clip=config.optim.grad_clip,
+        loss=train.loss,
+        distill=_distill_plan(config),
+    )
     return (
-        parts.StepPlan(label_smoothing=train.label_smoothing, grad_clip=config.optim.grad_clip, loss=train.loss),
+        step,
         parts.RuntimePlan(
             host_allocator=train.host_allocator, cpu_kernels=train.cpu_kernels, channels_last=train.channels_last
         ),

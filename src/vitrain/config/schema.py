@@ -47,6 +47,10 @@ class ModelConfig(Section):
     """Dropout on attention probabilities; the variant's (0) when unset."""
     drop_path_rate: float | None = Field(None, ge=0.0, lt=1.0)
     """Stochastic depth rate of the last block (linearly increasing from 0); the variant's when unset."""
+    distill_token: bool | None = None
+    """ViTs with a CLS head: DeiT's distillation token and second classifier (``head_dist``), trained against
+    the teacher by train.distill; the model's logits are the mean of both heads. The variant's when unset
+    (on for deit_*_distilled_patch16)."""
 
 
 RANDAUGMENT_FORM = (
@@ -310,6 +314,22 @@ class TrainConfig(Section):
     """Update the EMA every N optimizer steps (ema_decay applies per update)."""
     ema_eval: bool = True
     """Evaluate the EMA weights beside the live ones at every evaluation (ema_top1 in metrics and summary)."""
+    distill: Literal["none", "soft", "hard"] = "none"
+    """Knowledge distillation from train.teacher (DeiT): soft (KL divergence to the teacher's softened
+    probabilities) or hard (cross-entropy to the teacher's top class), on the distillation head's logits
+    (the class head's when the model has no distillation token); none: off."""
+    distill_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the distillation term; the label loss gets 1 - alpha (DeiT: 0.5)."""
+    distill_tau: float = Field(1.0, gt=0.0)
+    """Temperature of soft distillation (DeiT: 1.0); hard distillation ignores it."""
+    teacher: str | None = None
+    """The teacher for train.distill: a vitrain run folder or checkpoint (step-N.pt or sharded step-N/), a
+    .safetensors file written by `vitrain export`, or a timm model name (then train.teacher_weights)."""
+    teacher_weights: Path | None = None
+    """Weights of a timm-name teacher: a local .safetensors, .pth or .bin file (nothing is downloaded)."""
+    teacher_model: str | None = None
+    """vitrain model name of a .safetensors teacher whose metadata holds no config (not written by
+    `vitrain export`)."""
 
 
 class CurriculumStage(Section):

@@ -73,9 +73,10 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: 
     model.load_state_dict(state_dict, strict=strict)
 
 
-# Parameter names of the classifiers of every family (ViT/DeiT/LocalViT/VOLO head, VOLO's token-
-# labeling head, ResNet's fc): a fine-tune to another class count keeps their fresh initialization.
-CLASSIFIER_PREFIXES = ("head.", "aux_head.", "fc.")
+# Parameter names of the classifiers of every family (ViT/DeiT/LocalViT/VOLO head, DeiT's distillation
+# head, VOLO's token-labeling head, ResNet's fc): a fine-tune to another class count keeps their fresh
+# initialization.
+CLASSIFIER_PREFIXES = ("head.", "head_dist.", "aux_head.", "fc.")
 
 
 def load_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -147,6 +148,12 @@ def _register_vit_family() -> None:
             VisionTransformer,
             ViTArgs(**_VIT_SIZES[size][0], patch_size=16, drop_path_rate=0.1),
             f"DeiT-{_VIT_SIZES[size][1]}/16: ViT with DeiT's stochastic depth 0.1 (Touvron et al. 2021)",
+        )
+        register_model(
+            f"deit_{size}_distilled_patch16",
+            VisionTransformer,
+            ViTArgs(**_VIT_SIZES[size][0], patch_size=16, drop_path_rate=0.1, distill_token=True),
+            f"DeiT-{_VIT_SIZES[size][1]}/16 with the distillation token and head (Touvron et al. 2021, sec. 4)",
         )
     # Small images (Fashion-MNIST): 6 blocks of ViT-Ti width; patch 7 -> a 4x4 grid at 28 px,
     # the best accuracy per CPU-second we measured at equal time (docs/benchmarks.md).

@@ -26,6 +26,9 @@ TIMM_NAMES = {
     "deit_tiny_patch16": "deit_tiny_patch16_224",
     "deit_small_patch16": "deit_small_patch16_224",
     "deit_base_patch16": "deit_base_patch16_224",
+    "deit_tiny_distilled_patch16": "deit_tiny_distilled_patch16_224",
+    "deit_small_distilled_patch16": "deit_small_distilled_patch16_224",
+    "deit_base_distilled_patch16": "deit_base_distilled_patch16_224",
     **{f"volo_d{depth}": f"volo_d{depth}_224" for depth in range(1, 6)},
     "resnet50": "resnet50",
 }
@@ -45,7 +48,7 @@ def timm_name(name: str) -> str:
     return TIMM_NAMES[name]
 
 
-def _inferred_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:
+def inferred_model_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:
     """Args a state dict fixes that can differ from the variant's defaults (classes, size, head)."""
     args = model_spec(name).args
     overrides: dict[str, Any] = {}
@@ -60,9 +63,10 @@ def _inferred_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[st
     if isinstance(args, VOLOArgs) and "pos_embed" in state_dict:  # a (1, H, W, C) grid at 1/16
         overrides["img_size"] = state_dict["pos_embed"].shape[1] * args.pos_embed_stride
     if hasattr(args, "head") and "pos_embed" in state_dict and state_dict["pos_embed"].ndim == 3:
-        prefix = 1 if "cls_token" in state_dict else 0
+        prefix = ("cls_token" in state_dict) + ("dist_token" in state_dict)
         grid = round((state_dict["pos_embed"].shape[1] - prefix) ** 0.5)
         overrides.update(head="cls" if prefix else "gap", img_size=grid * args.patch_size)
+        overrides["distill_token"] = "dist_token" in state_dict
     return overrides
 
 
@@ -85,7 +89,7 @@ def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None =
             raise ValueError("from_timm(state_dict) needs name= (our variant, see `vitrain list-models`)")
         state_dict = source
     timm_name(name)
-    model = build_model(name, **{**_inferred_args(state_dict, name), **overrides})
+    model = build_model(name, **{**inferred_model_args(state_dict, name), **overrides})
     load_weights(model, state_dict)  # an img_size override resamples the position embedding
     return model
 

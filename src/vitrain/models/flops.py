@@ -19,7 +19,7 @@ from vitrain.models.volo import VOLO, volo_flops
 def vit_flops(args: ViTArgs, img_size: int) -> int:
     grid = img_size // args.patch_size
     patches = grid * grid
-    tokens = patches + (1 if args.head == "cls" else 0)
+    tokens = patches + ((2 if args.distill_token else 1) if args.head == "cls" else 0)
     dim, hidden = args.embed_dim, args.mlp_dim or int(args.embed_dim * args.mlp_ratio)
     patch_embed = 2 * patches * args.in_chans * args.patch_size**2 * dim
     if args.stem == "conv":
@@ -30,7 +30,8 @@ def vit_flops(args: ViTArgs, img_size: int) -> int:
         ffn += 2 * patches * hidden * 3 * 3  # depthwise 3x3 conv over the patch grid
     elif args.ffn == "localvit":
         ffn = localvit_mlp_flops(dim, hidden, tokens, (grid, grid))
-    return patch_embed + args.depth * (attention + ffn) + 2 * dim * args.num_classes
+    heads = 2 if args.distill_token else 1
+    return patch_embed + args.depth * (attention + ffn) + heads * 2 * dim * args.num_classes
 
 
 def model_flops(model: nn.Module, img_size: int) -> int:

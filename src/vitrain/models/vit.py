@@ -8,6 +8,11 @@ Choices that differ from the papers:
 - The locality FFN lets the CLS token skip the depthwise convolution (it has no grid position).
 - Initialization follows timm: truncated normal (std 0.02) for linear layers and position
   embeddings, tiny normal for the CLS token.
+- ``distill_token=True`` is DeiT's distilled model (Touvron et al. 2021, sec. 4; timm's
+  ``VisionTransformerDistilled``): a distillation token after the CLS token with its own position
+  embedding and classifier ``head_dist``. ``forward`` returns the mean of the two heads' logits (what
+  DeiT evaluates); :meth:`VisionTransformer.forward_distill` returns both, which the distillation loss
+  needs (``vitrain.train.losses.DistillationLoss``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class ViTArgs:
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    distill_token: bool = False
+    """DeiT's distillation token and second classifier ``head_dist`` (needs ``head="cls"``)."""
 
 
 class VisionTransformer(nn.Module):
@@ -53,15 +60,18 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if args.img_size % args.patch_size:
             raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
+        if args.distill_token and args.head != "cls":
+            raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
         factory = {"device": device, "dtype": dtype}
         self.args = args
-        self.num_prefix_tokens = 1 if args.head == "cls" else 0
+        self.num_prefix_tokens = (2 if args.distill_token else 1) if args.head == "cls" else 0
         grid_side = args.img_size // args.patch_size
         self.grid = (grid_side, grid_side)
         dim = args.embed_dim
         stem = {"patch": PatchEmbed, "conv": ConvStem}[args.stem]
         self.patch_embed = stem(args.patch_size, args.in_chans, dim, **factory)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.head == "cls" else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.distill_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + grid_side**2, dim, **factory))
         self.pos_drop = nn.Dropout(args.drop_rate)
         mlp_type = {"mlp": Mlp, "locality": LocalityMlp, "localvit": LocalViTMlp}[args.ffn]
@@ -87,6 +97,10 @@ class VisionTransformer(nn.Module):
         self.fc_norm = final_norm if args.head == "gap" else nn.Identity()
         self.head_drop = nn.Dropout(args.drop_rate)
         self.head = nn.Linear(dim, args.num_classes, **factory)
+        self.head_dist = nn.Linear(dim, args.num_classes, **factory) if args.distill_token else None
+        self.distilled_training = False
+        """With a distillation token, ``forward`` in training mode returns both heads' logits (timm's
+        ``set_distilled_training``); the training step sets it for its forward only."""
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
@@ -97,6 +111,8 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -108,7 +124,7 @@ class VisionTransformer(nn.Module):
                 module.reset_parameters()
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"}
+        return {"pos_embed", "cls_token", "dist_token"}
 
     def block_modules(self) -> list[nn.Module]:
         """The repeated blocks: units of FSDP sharding and activation checkpointing."""
@@ -122,7 +138,7 @@ class VisionTransformer(nn.Module):
     def layer_id(self, param_name: str) -> int:
         """Depth of a parameter for layer-wise LR decay (BEiT's numbering): 0 embeddings, i+1 block i,
         ``num_layers + 1`` the final norm and the head."""
-        if param_name.startswith(("patch_embed", "cls_token", "pos_embed")):
+        if param_name.startswith(("patch_embed", "cls_token", "dist_token", "pos_embed")):
             return 0
         if param_name.startswith("blocks."):
             return int(param_name.split(".")[1]) + 1
@@ -133,15 +149,38 @@ class VisionTransformer(nn.Module):
         pos_embed = self.pos_embed
         if grid != self.grid:
             pos_embed = resample_pos_embed(pos_embed, grid, self.num_prefix_tokens)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        prefix = [token.expand(x.shape[0], -1, -1) for token in (self.cls_token, self.dist_token) if token is not None]
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)
         x = self.pos_drop(x + pos_embed)
         return self.norm(self.blocks(x, grid))
 
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
-        pooled = self.head_drop(self.fc_norm(pooled))
-        return pooled if pre_logits else self.head(pooled)
+    def forward_head(
+        self, tokens: torch.Tensor, pre_logits: bool = False, both: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (or ``pre_logits``: the pooled features). With a distillation token: the mean of
+        both heads, or with ``both`` (or ``distilled_training`` in training mode) the pair
+        ``(cls_logits, dist_logits)``."""
+        if self.head_dist is None:
+            pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
+            pooled = self.head_drop(self.fc_norm(pooled))
+            return pooled if pre_logits else self.head(pooled)
+        cls_pooled, dist_pooled = self.head_drop(tokens[:, 0]), self.head_drop(tokens[:, 1])
+        if pre_logits:
+            return (cls_pooled + dist_pooled) / 2
+        cls_logits, dist_logits = self.head(cls_pooled), self.head_dist(dist_pooled)
+        if both or (self.distilled_training and self.training):
+            return cls_logits, dist_logits
+        return (cls_logits + dist_logits) / 2
+
+    def forward_distill(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cls_logits, dist_logits)``: the class head and the distillation head (needs ``distill_token``)."""
+        if self.head_dist is None:
+            raise ValueError("forward_distill needs a model built with distill_token=True")
+        return self.forward_head(self.forward_features(images), both=True)
+
+    def set_distilled_training(self, enable: bool = True) -> None:
+        self.distilled_training = enable
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))

@@ -9,6 +9,7 @@
 3. **parallelism**: first the precision policy's weights (O2: a low-precision copy of the model, the
    module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
    module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
+   The distillation teacher (``train.teacher``), frozen and whole on every process, is loaded here too;
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
 6. **loaders**: training and evaluation data, and the mixer of training batches (Mixup/CutMix);
@@ -40,6 +41,7 @@ from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.models import build_model, load_pretrained
+from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
 from vitrain.train.attention_probe import choose_attention
@@ -101,6 +103,7 @@ def build_training_step(plan: Plan) -> TrainStep:
     _apply_converters(model, plan)  # 2
     low_precision = apply_precision(model, plan.precision)  # 3: O2's copy is the module that runs
     forward_module = parallelize(low_precision.compute if low_precision else model, plan.parallel, plan.precision)
+    teacher = build_teacher(plan) if plan.step.distill is not None else None  # replicated on every process
     optimizer = build_optimizer(model, plan.optim, plan.precision)  # 4: after sharding made the parameters DTensors
     several = plan.world.size > 1
     step = TrainStep(  # 5
@@ -115,6 +118,8 @@ def build_training_step(plan: Plan) -> TrainStep:
         forward_module=forward_module,
         agree_on_skip=_agree_across_processes if several else None,
         loss=plan.step.loss,
+        teacher=teacher,
+        distill=plan.step.distill,
     )
     if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
@@ -133,6 +138,24 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
     model.to_empty(device=device or plan.device)
     model.init_weights()
     return model
+
+
+def build_teacher(plan: Plan) -> nn.Module:
+    """The frozen distillation teacher of ``train.teacher``, whole on this process's device; a source that
+    cannot be loaded or does not fit the data (classes, channels, every stage's image size) is a ConfigError."""
+    distill = plan.step.distill
+    try:
+        return load_teacher(
+            distill.teacher,
+            weights=distill.teacher_weights,
+            model=distill.teacher_model,
+            num_classes=plan.model.num_classes,
+            in_chans=plan.model.in_chans,
+            image_sizes=sorted({stage.image_size for stage in plan.schedule.stages}),
+            device=plan.device,
+        )
+    except TeacherError as error:
+        raise ConfigError(f"train.teacher={distill.teacher}: {error}") from None
 
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:

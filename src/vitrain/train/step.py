@@ -17,9 +17,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from vitrain.config.plan import DistillPlan
 from vitrain.parallel.distributed import holds_dtensors, local_shard
 from vitrain.precision import PrecisionPolicy
-from vitrain.train.losses import TrainingLoss
+from vitrain.train.losses import DistillationLoss, TrainingLoss
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -181,6 +182,27 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> LowPrecisionWe
     return None
 
 
+@contextlib.contextmanager
+def both_heads(module: nn.Module):
+    """While inside, models with a distillation token (``set_distilled_training``) among ``module``'s
+    submodules return ``(cls_logits, dist_logits)`` from a training forward. Set on the inner model so the
+    call still goes through ``module`` (DDP's and FSDP's hooks run); other models return plain logits."""
+    students = [child for child in module.modules() if hasattr(child, "set_distilled_training")]
+    for student in students:
+        student.set_distilled_training(True)
+    try:
+        yield
+    finally:
+        for student in students:
+            student.set_distilled_training(False)
+
+
+def _as_pair(outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(class logits, distillation logits) in fp32; a model without a distillation token gives its logits as both."""
+    cls_logits, dist_logits = outputs if isinstance(outputs, tuple) else (outputs, outputs)
+    return cls_logits.float(), dist_logits.float()
+
+
 class TrainStep:
     """Callable holding what every step needs; returns the loss and grad norm as device tensors.
     After each call ``skipped`` is a device flag (float 1.0 or 0.0): the step's update was skipped.
@@ -190,7 +212,9 @@ class TrainStep:
     forward/backward (gradient accumulation; None: the whole batch at once); ``agree_on_skip``: with
     several processes, makes every process skip when one does (each sees only its own loss); ``loss``:
     ``ce`` or ``bce`` (:class:`~vitrain.train.losses.TrainingLoss`): on hard labels with ``label_smoothing``,
-    or on the soft targets of mixed batches, which hold their smoothing."""
+    or on the soft targets of mixed batches, which hold their smoothing. ``teacher`` and ``distill``: knowledge
+    distillation (:class:`~vitrain.train.losses.DistillationLoss`): the frozen teacher runs on each
+    micro-batch (no gradient, under the policy's autocast) and the student returns both heads' logits."""
 
     def __init__(
         self,
@@ -206,11 +230,19 @@ class TrainStep:
         forward_module: nn.Module | None = None,
         agree_on_skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
         loss: str = "ce",
+        teacher: nn.Module | None = None,
+        distill: DistillPlan | None = None,
     ):
         if (low_precision is not None) != (policy.weights == "low_precision_copy"):
             raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
         self.model, self.optimizer, self.scaler, self.policy = model, optimizer, scaler, policy
+        if (teacher is None) != (distill is None):
+            raise ValueError("distillation needs both a teacher and its DistillPlan")
         self.criterion, self.grad_clip = TrainingLoss(loss, label_smoothing), grad_clip
+        self.teacher = teacher
+        self.distillation = (
+            DistillationLoss(self.criterion, distill.kind, distill.alpha, distill.tau) if distill is not None else None
+        )
         self.low_precision = low_precision
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
         if forward_module is None:
@@ -237,17 +269,38 @@ class TrainStep:
         then drop the gradients: compiles the training shapes before the clock starts (``train.compile``)."""
         for images in batches:
             with deferred_gradient_sync(self.forward_module):
-                self._forward(images).float().sum().backward()
+                if self.teacher is not None:
+                    self._teacher_logits(images)
+                outputs = self._forward(images)
+                sum(
+                    logits.float().sum() for logits in (outputs if isinstance(outputs, tuple) else (outputs,))
+                ).backward()
         self.optimizer.zero_grad(set_to_none=True)
         for module in (self.model, self.forward_module):
             for param in module.parameters():
                 param.grad = None
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
-            return self.forward_module(images.to(self.policy.compute_dtype))
-        with self.policy.training_context():
-            return self.forward_module(images)
+    def _forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        heads = both_heads(self.forward_module) if self.teacher is not None else contextlib.nullcontext()
+        with heads:
+            if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
+                return self.forward_module(images.to(self.policy.compute_dtype))
+            with self.policy.training_context():
+                return self.forward_module(images)
+
+    @torch.no_grad()
+    def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The frozen teacher on the student's (normalized, mixed) images, in the run's precision."""
+        with self.policy.autocast_context():
+            return self.teacher(images).float()
+
+    def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and the loss of one micro-batch (with the teacher's forward when distilling)."""
+        if self.distillation is None:
+            return self.criterion(self._forward(images).float(), labels)
+        teacher_logits = self._teacher_logits(images)
+        cls_logits, dist_logits = _as_pair(self._forward(images))
+        return self.distillation(cls_logits, dist_logits, labels, teacher_logits)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the batch (``labels``: class indices, or soft targets (B, classes) of a
@@ -263,9 +316,8 @@ class TrainStep:
         for index, (piece_images, piece_labels) in enumerate(pieces):
             last = index == len(pieces) - 1
             with contextlib.nullcontext() if last else deferred_gradient_sync(self.forward_module):
-                logits = self._forward(piece_images)
                 share = len(piece_labels) / len(labels)
-                piece_loss = self.criterion(logits.float(), piece_labels) * share
+                piece_loss = self._loss(piece_images, piece_labels) * share
                 self.scaler.scale(piece_loss).backward()
             loss += piece_loss.detach()
         if self.low_precision is not None:
