@@ -1,0 +1,92 @@
+"""``make gpu-check`` (bench/gpu_check.py): the dry run on the CPU at toy sizes runs every stage end to
+end (doctor, the gpu tests, the benchmark set, the ladder) and writes its record; the GPU tests are
+collected and skip here with their reason; a run past its deadline reports what it did not run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+STAGES = [
+    "doctor",
+    "pytest-gpu",
+    "bench-vit_b16",
+    "bench-vit_s16",
+    "bench-volo_d1",
+    "bench-resnet50_cl",
+    "ladder-vit_b16",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _stage_rows(summary: str) -> dict[str, str]:
+    rows = {}
+    for line in summary.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in STAGES:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(),
+    )
+    return out, result
+
+
+def test_the_dry_run_passes_every_stage_and_writes_the_record(dry_run):
+    out, result = dry_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _stage_rows((out / "summary.md").read_text()) == dict.fromkeys(STAGES, "pass")
+    doctor = json.loads((out / "doctor.json").read_text())
+    assert doctor["exit_code"] == 0 and doctor["checks"]
+    for name in ("vit_b16", "vit_s16", "volo_d1", "resnet50_cl"):
+        bench = json.loads((out / f"bench-{name}.json").read_text())
+        assert bench["device"] == "cpu" and bench["img_s_median"] > 0
+        assert bench["timm"]["img_s_median"] > 0  # --compare-timm measured both
+    assert json.loads((out / "bench-resnet50_cl.json").read_text())["model"] == "resnet50"
+    ladder = json.loads((out / "ladder-vit_b16.json").read_text())
+    assert [row["rung"] for row in ladder["rungs"]][0] == "fp32 baseline"
+    assert len(ladder["rungs"]) + len(ladder["skipped"]) == 7
+    assert "| vit_base_patch16 (vit_b16) | 2 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
+def test_the_gpu_tests_are_collected_and_skip_with_their_reason(dry_run):
+    out, _ = dry_run
+    suite = ElementTree.parse(out / "pytest-gpu.xml").getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert len(cases) >= 20
+    reasons = {case.find("skipped").get("message") for case in cases}
+    assert all("CUDA" in reason for reason in reasons), reasons
+
+
+def test_a_run_past_its_deadline_says_what_it_did_not_run(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(tmp_path), "--deadline-s", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert result.returncode == 1
+    assert _stage_rows((tmp_path / "summary.md").read_text()) == dict.fromkeys(STAGES, "not run (deadline)")
