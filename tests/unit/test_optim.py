@@ -156,3 +156,20 @@ def test_build_optimizer_gives_lamb_its_groups_lr_and_eps(small_synthetic_overri
     assert [group["weight_decay"] for group in optimizer.param_groups] == [plan.config.optim.weight_decay, 0.0]
     assert {group["lr"] for group in optimizer.param_groups} == {plan.optim.lr}
     assert optimizer.defaults["eps"] == 1e-6
+
+
+def test_sgd_over_sharded_parameters_takes_the_multi_tensor_path(small_synthetic_overrides, monkeypatch):
+    """torch's fused SGD has no DTensor rule: over FSDP/TP parameters auto falls back to foreach, and an
+    explicit fused is refused naming the keys (the real sharded run: tests/dist/test_distill.py)."""
+    import vitrain.train.optim as optim_module
+    from vitrain.config import ConfigError
+
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    plan = make_plan(make_config(*small_synthetic_overrides, "optim.name=sgd"))
+    assert build_optimizer(model, plan.optim, plan.precision).defaults["fused"]  # unsharded: fused
+    monkeypatch.setattr(optim_module, "holds_dtensors", lambda module: True)
+    optimizer = build_optimizer(model, plan.optim, plan.precision)
+    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"]
+    fused = make_plan(make_config(*small_synthetic_overrides, "optim.name=sgd", "optim.implementation=fused"))
+    with pytest.raises(ConfigError, match="optim.implementation=fused with optim.name=sgd"):
+        build_optimizer(model, fused.optim, fused.precision)

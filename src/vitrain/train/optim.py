@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as adamw_update
 
-from vitrain.config import OptimizerPlan
+from vitrain.config import ConfigError, OptimizerPlan
+from vitrain.parallel.distributed import holds_dtensors
 from vitrain.precision import PrecisionPolicy
 
 # Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024, github.com/KellerJordan/Muon): chosen
@@ -302,6 +303,14 @@ def implementation_flags(implementation: str, device: str) -> dict[str, bool]:
 
 def build_optimizer(model: nn.Module, optim: OptimizerPlan, precision: PrecisionPolicy) -> torch.optim.Optimizer:
     flags = implementation_flags(optim.implementation, precision.device)
+    if optim.name == "sgd" and flags["fused"] and holds_dtensors(model):
+        # torch's fused SGD kernel has no DTensor rule (FSDP/TP parameters): auto takes the multi-tensor one
+        if optim.implementation == "fused":
+            raise ConfigError(
+                "optim.implementation=fused with optim.name=sgd cannot update sharded (FSDP/TP) parameters; "
+                "use optim.implementation=auto or foreach"
+            )
+        flags = implementation_flags("foreach", precision.device)
     if optim.name == "muon":
         # Newton-Schulz in bf16 where the run computes in bf16 (the device has it natively), else fp32
         dtype = torch.bfloat16 if precision.dtype == "bf16" else torch.float32
