@@ -147,7 +147,12 @@ class LabelMapWriter:
 
     def write_header(self) -> None:
         """``index.json`` marked incomplete: the layout of a generation under way."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(
+                f"--out {self.path}: cannot create the folder ({error}); choose a writable place"
+            ) from None
         for partial in self.path.glob(".shard-*.partial-*"):  # left by a killed run; no rank writes yet
             shutil.rmtree(partial, ignore_errors=True)
         _write_json_atomically(self.path / INDEX_FILE, self.index(complete=False))
