@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from vitrain.config import ConfigError, DataPlan, Plan, World
 from vitrain.data import sources
@@ -43,6 +44,7 @@ from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.models.vit import VisionTransformer
 from vitrain.models.volo import VOLO
 from vitrain.parallel.distributed import barrier, gather_objects
+from vitrain.precision import PrecisionPolicy
 from vitrain.token_labeling.maps import (
     DEFAULT_SHARD_SIZE,
     MISSING_INDEX,
@@ -339,13 +341,14 @@ def _load_labeling_teacher(plan: Plan, settings: LabelSettings) -> nn.Module:
 class DenseLabeler:
     """uint8 images -> top-k maps (float16 scores, int16 indices) of a frozen teacher, on its device."""
 
-    def __init__(self, teacher: nn.Module, k: int, mean, std, device: str):
-        self.teacher, self.k, self.device = teacher, k, device
-        self.normalize = Normalize(mean, std, device)
+    def __init__(self, teacher: nn.Module, k: int, mean, std, precision: PrecisionPolicy):
+        self.teacher, self.k, self.device, self.precision = teacher, k, precision.device, precision
+        self.normalize = Normalize(mean, std, self.device)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        logits = dense_logits(self.teacher, self.normalize(images.to(self.device, non_blocking=True)))
+        with self.precision.autocast_context():  # the run's precision, as evaluation computes
+            logits = dense_logits(self.teacher, self.normalize(images.to(self.device, non_blocking=True)))
         scores, indices = top_k_maps(logits, self.k)
         return scores.cpu().numpy(), indices.cpu().numpy()
 
@@ -357,6 +360,10 @@ class DenseLabeler:
             logits = dense_logits(self.teacher, self.normalize(probe.to(self.device)))
         except TeacherError as error:
             raise ConfigError(f"--teacher: {error}") from None
+        except (ValueError, RuntimeError, AssertionError) as error:  # e.g. a fixed-size model at another size
+            raise ConfigError(
+                f"--teacher: it does not take {image_size} px images ({error}); set --image-size to its input size"
+            ) from None
         return tuple(logits.shape[1:])
 
 
@@ -372,10 +379,20 @@ def generate_label_maps(
     todo = sorted(set(range(writer.layout.num_shards)) - writer.finished_shards())
     barrier()  # every rank lists the finished shards before any rank writes one
     shards = _my_shards(todo, world)
+    layout = writer.layout
+    log.info(
+        "label maps in %s: %d of %d shards to do (%d images, top-%d on a %dx%d grid) over %d process(es)",
+        writer.path,
+        len(todo),
+        layout.num_shards,
+        layout.count,
+        layout.k,
+        layout.height,
+        layout.width,
+        world.size,
+    )
     indices = [index for shard in shards for index in writer.layout.shard_range(shard)]
     buffer = _ShardBuffer(writer)
-    from tqdm import tqdm
-
     labeled = 0
     with tqdm(total=len(indices), disable=not (settings.progress and world.is_main), unit="img") as progress:
         for kept, batch, missing in images.batches(indices, settings.batch_size):
@@ -404,11 +421,10 @@ def _labeling_header(teacher: nn.Module, settings: LabelSettings, plan: Plan, im
 def label_training_set(plan: Plan, settings: LabelSettings) -> dict[str, Any]:
     """Label maps of the plan's training split in ``settings.out`` (resuming a folder left unfinished), checked;
     returns the report: images, shards, bytes, seconds, images/s (over all ranks)."""
-
     _check_settings(settings)
     teacher = _load_labeling_teacher(plan, settings)
     image_size = settings.image_size or teacher_input_size(teacher, plan.data.source.image_size)
-    labeler = DenseLabeler(teacher, settings.k, plan.data.mean, plan.data.std, plan.device)
+    labeler = DenseLabeler(teacher, settings.k, plan.data.mean, plan.data.std, plan.precision)
     num_classes, height, width = labeler.output_shape(plan.data.in_chans, image_size)
     if settings.k > num_classes:
         raise ConfigError(
