@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -107,6 +108,23 @@ def test_cnn_dense_logits_are_the_classifier_as_a_1x1_convolution():
                 assert torch.allclose(dense[:, :, row, column], by_hand, atol=1e-4)
         # the classifier is linear, so its mean over positions is the pooled model's logits
         assert torch.allclose(dense.mean(dim=(2, 3)), teacher(images), atol=1e-4)
+
+
+def test_timm_teachers_label_with_their_head_norm_and_patch_tokens():
+    timm = pytest.importorskip("timm", reason="timm is a test dependency ([dev] extra)")
+    torch.manual_seed(0)
+    convnext = timm.create_model("convnext_atto", pretrained=False, num_classes=4).eval()
+    images = _images(size=64)
+    with torch.no_grad():
+        dense, features = dense_logits(convnext, images), convnext.forward_features(images)
+        norm, fc = convnext.head.norm, convnext.head.fc
+        at_one = F.layer_norm(features[:, :, 1, 0], (features.shape[1],), norm.weight, norm.bias, norm.eps)
+        assert dense.shape == (2, 4, 2, 2) and torch.allclose(dense[:, :, 1, 0], fc(at_one), atol=1e-4)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4, img_size=32).eval()
+    with torch.no_grad():
+        dense, tokens = dense_logits(vit, images[:, :, :32, :32]), vit.forward_features(images[:, :, :32, :32])
+        assert dense.shape == (2, 4, 2, 2)
+        assert torch.allclose(dense[:, :, 0, 1], vit.head(tokens[:, vit.num_prefix_tokens + 1]), atol=1e-5)
 
 
 def test_an_unsupported_teacher_is_a_clear_error_naming_its_type():
