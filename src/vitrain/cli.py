@@ -102,7 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm_parser(commands)
     _add_check_data_parser(commands)
     _add_doctor_parser(commands)
+    _add_label_parser(commands)
     return parser
+
+
+def _add_label_parser(commands) -> None:
+    label = commands.add_parser(
+        "label",
+        help="run a teacher over the training images once and store its dense top-k label maps (token labeling)",
+        description="Example: vitrain label --teacher runs/volo/ --recipe volo_d1_224 --set data.root=/data/imagenet "
+        "--out labels/volo-d1; resumable; under torchrun each process labels its share of the shards",
+    )
+    label.add_argument("--teacher", required=True, help="run folder, checkpoint, .safetensors file or timm model name")
+    label.add_argument("--teacher-weights", type=Path, help="weights file of a timm-name teacher")
+    label.add_argument("--teacher-model", help="vitrain model of a .safetensors teacher without vitrain metadata")
+    _add_config_arguments(label)
+    label.add_argument("--out", required=True, type=Path, help="folder of the label maps (index.json + shards)")
+    label.add_argument("--topk", type=int, default=5, help="class scores kept per position (default 5)")
+    label.add_argument("--batch", type=int, default=64, help="images per forward pass and process (default 64)")
+    label.add_argument("--shard-size", type=int, default=10_000, help="images per shard file (default 10000)")
+    label.add_argument("--image-size", type=int, help="side to label at (default: the teacher's input size)")
 
 
 def _add_doctor_parser(commands) -> None:
@@ -466,6 +485,28 @@ def command_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def command_label(args: argparse.Namespace) -> int:
+    from vitrain.token_labeling.label import LabelSettings, label_training_set
+
+    config = load_config(get_recipe(args.recipe), args)
+    settings = LabelSettings(
+        teacher=args.teacher,
+        out=args.out,
+        teacher_weights=args.teacher_weights,
+        teacher_model=args.teacher_model,
+        k=args.topk,
+        batch_size=args.batch,
+        shard_size=args.shard_size,
+        image_size=args.image_size,
+        progress=config.train.progress is True or (config.train.progress == "auto" and sys.stderr.isatty()),
+    )
+    with processes(config) as world:
+        report = label_training_set(make_plan(config, world), settings)
+    if world.is_main:
+        print(json.dumps(report))
+    return 0
+
+
 COMMANDS = {
     "train": command_train,
     "eval": command_eval,
@@ -479,6 +520,7 @@ COMMANDS = {
     "slurm": command_slurm,
     "check-data": command_check_data,
     "doctor": command_doctor,
+    "label": command_label,
 }
 
 
@@ -497,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    redirect = logging_redirect_tqdm() if args.command in ("train", "finetune") else contextlib.nullcontext()
+    redirect = logging_redirect_tqdm() if args.command in ("train", "finetune", "label") else contextlib.nullcontext()
     try:
         with redirect:
             code = COMMANDS[args.command](args)

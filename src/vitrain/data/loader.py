@@ -387,7 +387,7 @@ class FileLoader:
             yield images, labels
 
 
-def _in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
+def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
     config = data.source
     if config.name == "fashion-mnist":
         dataset = sources.load_fashion_mnist(sources.fashion_mnist_root(config), split)
@@ -405,6 +405,6 @@ def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemory
         train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
         eval_samples = sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
         return FileLoader(train_samples, data, train=True), FileLoader(eval_samples, data, train=False)
-    return InMemoryLoader(_in_memory_split(data, "train"), data, True), InMemoryLoader(
-        _in_memory_split(data, "eval"), data, False
+    return InMemoryLoader(in_memory_split(data, "train"), data, True), InMemoryLoader(
+        in_memory_split(data, "eval"), data, False
     )
