@@ -100,4 +100,9 @@ def to_timm(model: nn.Module) -> dict[str, torch.Tensor]:
     for a ``gap`` head)."""
     if getattr(getattr(model, "args", None), "stem", "patch") != "patch":
         raise ValueError("timm's VisionTransformer has only the patchify stem; this model has model.stem=conv")
+    if getattr(getattr(model, "args", None), "aux_head", False):
+        raise ValueError(
+            "timm's VisionTransformer has no token-labeling head; this model has model.aux_head=true "
+            "(export it without timm, or train with model.aux_head=false)"
+        )
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
