@@ -15,7 +15,7 @@ from torchvision.ops import roi_align
 from tests.conftest import make_config
 from vitrain.config import ConfigError, DatasetInfo, Hardware, resolve
 from vitrain.models import VOLO, VOLOArgs, build_model
-from vitrain.models.convert import to_timm
+from vitrain.models.convert import inferred_model_args, to_timm
 from vitrain.models.flops import model_flops
 from vitrain.token_labeling import (
     TokenBox,
@@ -364,3 +364,10 @@ def test_aux_head_config_maps_to_each_family_and_refuses_what_does_not_combine()
         build_model("deit_tiny_distilled_patch16", device="meta", aux_head=True)
     with pytest.raises(ValueError, match="no token-labeling head"):
         to_timm(_tiny_vit())
+
+
+def test_the_aux_head_is_read_from_weights():
+    with_head = build_model("vit_tiny_patch16", device="meta", aux_head=True).state_dict()
+    assert inferred_model_args(with_head, "vit_tiny_patch16")["aux_head"] is True
+    without = build_model("volo_d1", device="meta", use_aux_head=False).state_dict()
+    assert inferred_model_args(without, "volo_d1")["use_aux_head"] is False

@@ -67,6 +67,9 @@ def inferred_model_args(state_dict: Mapping[str, torch.Tensor], name: str) -> di
         grid = round((state_dict["pos_embed"].shape[1] - prefix) ** 0.5)
         overrides.update(head="cls" if prefix else "gap", img_size=grid * args.patch_size)
         overrides["distill_token"] = "dist_token" in state_dict
+    for field in ("aux_head", "use_aux_head"):  # token labeling's head: ViTs' and VOLO's argument
+        if hasattr(args, field):
+            overrides[field] = "aux_head.weight" in state_dict
     return overrides
 
 
