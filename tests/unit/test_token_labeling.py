@@ -125,6 +125,20 @@ def test_dense_targets_hand_case_full_box_border_box_and_flip():
     assert torch.allclose(corner[0, :, 1], corner[0, :, 0])
 
 
+def test_dense_target_boxes_are_x_then_y():
+    """Class 0 scores on the left half of a 4x4 map, class 1 on the bottom half: a box over the left half
+    (x up to 0.5) reads class 0 alone in its top cells."""
+    scores = torch.zeros(2, 4, 4)
+    scores[0, :, :2] = 5.0
+    scores[1, 2:, :] = 5.0
+    indices = torch.stack([torch.zeros(4, 4), torch.ones(4, 4)])
+    label_maps = torch.stack([scores, indices])[None]
+    left = dense_targets(label_maps, torch.tensor([[0.0, 0.0, 0.5, 1.0]]), (4, 2), num_classes=3)
+    grid = left[0, :, 1:].unflatten(1, (4, 2))
+    assert (grid[0, :2] > 0.9).all() and (grid[1, :2] < 0.01).all()  # rows 0-1: class 0 only
+    assert (grid[1, 2:] > 0.4).all()  # rows 2-3: class 1 as strong as class 0
+
+
 @pytest.mark.parametrize(("grid", "smoothing"), [(1, 0.0), (3, 0.0), (4, 0.1)])
 def test_dense_targets_equal_the_reference_formula_on_random_maps(grid, smoothing):
     generator = torch.Generator().manual_seed(grid)

@@ -9,6 +9,13 @@ into probabilities. The arithmetic is the reference implementation's (``tlt/data
 ``get_featuremaps`` / ``get_label`` / ``get_labelmaps_with_coords``): RoIAlign with its defaults
 (``spatial_scale=1``, ``sampling_ratio=-1``, ``aligned=False``) on the box in label-map pixels
 shifted by half a pixel, softmax with no temperature, then its label smoothing.
+
+Boxes are ``(x1, y1, x2, y2)``: x along the label map's width (its last axis), RoIAlign's order. The
+reference stores its crop as (top, left, bottom, right) fractions and hands them to RoIAlign in that
+order; a label map stored ``(H, W)`` needs x-y boxes. Its horizontal flip mirrors the whole image and
+label map before the crop; flipping the aligned grid after the crop is the same arithmetic (RoIAlign's
+sample points are symmetric in each bin, and the half-pixel shift maps the mirrored box onto the
+mirrored map).
 """
 
 from __future__ import annotations
