@@ -284,6 +284,8 @@ def test_hook_mixes_the_box_in_a_vit_forward_and_does_nothing_without_one():
     assert not torch.allclose(mixed[0], plain[0], atol=1e-3)
     assert torch.equal(unmixed_aux, unmix_tokens(mixed[1], box, (4, 4)))
     assert torch.allclose(after, plain[0] + 0.5 * plain[1].amax(dim=1), atol=1e-6)
+    with pytest.raises(ValueError, match="does not lie on the 4x4 token grid"):
+        hook.set_box(TokenBox(0, 5, 0, 2), (4, 4))
     hook.remove()
     assert hook.box is None
 

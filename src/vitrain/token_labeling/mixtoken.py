@@ -154,6 +154,9 @@ class MixTokenHook:
     def set_box(self, box: TokenBox, grid_hw: Grid, device: torch.device | str | None = None) -> None:
         """Mix the next forwards with ``box``, drawn on the auxiliary grid ``grid_hw``; the masks are built on
         ``device`` (the patch embedding's when None)."""
+        rows, cols = grid_hw
+        if not (0 <= box.top <= box.bottom <= rows and 0 <= box.left <= box.right <= cols):
+            raise ValueError(f"{box} does not lie on the {rows}x{cols} token grid it was said to be drawn on")
         if device is None:
             device = next(self._embed.parameters()).device
         self.box = box
