@@ -69,15 +69,30 @@ MODEL_OPTIONS = (
     "attn_drop_rate",
     "drop_path_rate",
     "distill_token",
+    "aux_head",
 )
 
+# model.* options whose argument has another name in some families: option -> (argument, ...).
+OPTION_ARGUMENTS = {"aux_head": ("aux_head", "use_aux_head")}
 
-def model_overrides(model: ModelConfig) -> dict[str, Any]:
+
+def _argument_name(option: str, fields: set[str]) -> str | None:
+    """The argument of a family (its args' ``fields``) that model.``option`` sets; None if it has none."""
+    return next((name for name in OPTION_ARGUMENTS.get(option, (option,)) if name in fields), None)
+
+
+def model_overrides(model: ModelConfig, args: Any = None) -> dict[str, Any]:
     """The model.* options as model arguments (unset ones None); attn_impl=auto is chosen after the
-    build (vitrain.train.attention_probe), so the model is built with its variant's default."""
+    build (vitrain.train.attention_probe), so the model is built with its variant's default. With the
+    variant's ``args``, options are named as that family's arguments (model.aux_head is VOLO's
+    use_aux_head) and options it lacks are left out."""
     options = {option: getattr(model, option) for option in MODEL_OPTIONS}
     if options["attn_impl"] == "auto":
         options["attn_impl"] = None
+    if args is not None:
+        fields = {field.name for field in dataclasses.fields(args)}
+        named = {_argument_name(option, fields): value for option, value in options.items()}
+        options = {name: value for name, value in named.items() if name is not None}
     return options
 
 
@@ -93,12 +108,13 @@ def _resolve_patch_size(config: Config) -> int:
     except KeyError as error:
         raise ConfigError(f"model.name: {error.args[0]}") from None
     fields = {field.name for field in dataclasses.fields(spec.args)}
+    accepted = [option for option in MODEL_OPTIONS if _argument_name(option, fields) is not None]
     for option in MODEL_OPTIONS:
         _require(
-            getattr(config.model, option) is None or option in fields,
+            getattr(config.model, option) is None or option in accepted,
             f"model.{option}={getattr(config.model, option)} (from the recipe or your overrides) is not an option "
             f"of {config.model.name}; set model.{option}=null (that family takes "
-            f"{', '.join(sorted(fields & set(MODEL_OPTIONS))) or 'none of the model.* options'})",
+            f"{', '.join(sorted(accepted)) or 'none of the model.* options'})",
         )
     patch = config.model.patch_size or getattr(spec.args, "total_stride", getattr(spec.args, "patch_size", 1))
     if (config.model.stem or getattr(spec.args, "stem", None)) == "conv":  # set here or by the variant
@@ -429,9 +445,11 @@ def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False)
 
 
 def _model_plan(config: Config, data: DatasetInfo, patch: int) -> parts.ModelPlan:
+    from vitrain.models import model_spec
+
     return parts.ModelPlan(
         name=config.model.name,
-        options=model_overrides(config.model),
+        options=model_overrides(config.model, model_spec(config.model.name).args),
         image_size=config.data.image_size,
         in_chans=data.channels,
         num_classes=data.num_classes,
@@ -588,6 +606,12 @@ def _check_distill_token(config: Config) -> bool:
         not token or head == "cls",
         f"model.distill_token=true with model.head={head}: the distillation head reads the CLS and distillation "
         "tokens; set model.head=cls or model.distill_token=false",
+    )
+    aux_head = config.model.aux_head if config.model.aux_head is not None else getattr(args, "aux_head", False)
+    _require(
+        not (token and aux_head),
+        "model.aux_head=true with a distillation token (model.distill_token, or a deit_*_distilled variant): "
+        "the two heads do not combine; set model.aux_head=false or model.distill_token=false",
     )
     return token
 

@@ -51,6 +51,10 @@ class ModelConfig(Section):
     """ViTs with a CLS head: DeiT's distillation token and second classifier (``head_dist``), trained against
     the teacher by train.distill; the model's logits are the mean of both heads. The variant's when unset
     (on for deit_*_distilled_patch16)."""
+    aux_head: bool | None = None
+    """Token labeling's auxiliary head: a classifier on every patch token (ViTs' ``aux_head``, VOLO's
+    ``use_aux_head``); predictions add 0.5 x its max over tokens to the class logits. Not with
+    model.distill_token. The variant's when unset (off for ViTs, on for VOLO)."""
 
 
 RANDAUGMENT_FORM = (

@@ -67,6 +67,9 @@ def inferred_model_args(state_dict: Mapping[str, torch.Tensor], name: str) -> di
         grid = round((state_dict["pos_embed"].shape[1] - prefix) ** 0.5)
         overrides.update(head="cls" if prefix else "gap", img_size=grid * args.patch_size)
         overrides["distill_token"] = "dist_token" in state_dict
+    for field in ("aux_head", "use_aux_head"):  # token labeling's head: ViTs' and VOLO's argument
+        if hasattr(args, field):
+            overrides[field] = "aux_head.weight" in state_dict
     return overrides
 
 
@@ -100,4 +103,9 @@ def to_timm(model: nn.Module) -> dict[str, torch.Tensor]:
     for a ``gap`` head)."""
     if getattr(getattr(model, "args", None), "stem", "patch") != "patch":
         raise ValueError("timm's VisionTransformer has only the patchify stem; this model has model.stem=conv")
+    if getattr(getattr(model, "args", None), "aux_head", False):
+        raise ValueError(
+            "timm's VisionTransformer has no token-labeling head; this model has model.aux_head=true "
+            "(export it without timm, or train with model.aux_head=false)"
+        )
     return {key: value.detach().clone() for key, value in model.state_dict().items()}

@@ -31,7 +31,10 @@ def vit_flops(args: ViTArgs, img_size: int) -> int:
     elif args.ffn == "localvit":
         ffn = localvit_mlp_flops(dim, hidden, tokens, (grid, grid))
     heads = 2 if args.distill_token else 1
-    return patch_embed + args.depth * (attention + ffn) + heads * 2 * dim * args.num_classes
+    classifier = heads * 2 * dim * args.num_classes
+    if args.aux_head:
+        classifier += patches * 2 * dim * args.num_classes  # token labeling's head on every patch token
+    return patch_embed + args.depth * (attention + ffn) + classifier
 
 
 def model_flops(model: nn.Module, img_size: int) -> int:

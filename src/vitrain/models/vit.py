@@ -13,6 +13,12 @@ Choices that differ from the papers:
   embedding and classifier ``head_dist``. ``forward`` returns the mean of the two heads' logits (what
   DeiT evaluates); :meth:`VisionTransformer.forward_distill` returns both, which the distillation loss
   needs (``vitrain.train.losses.DistillationLoss``).
+- ``aux_head=True`` adds token labeling's auxiliary head (Jiang et al. 2021, LV-ViT): a linear classifier
+  on every patch token after the final norm (``fc_norm`` for ``head="gap"``, applied per token).
+  ``forward`` returns the class logits plus 0.5 x the max over tokens of the auxiliary logits (VOLO's
+  and LV-ViT's inference rule); :meth:`VisionTransformer.forward_head_with_tokens` returns both parts for
+  the token-labeling loss. timm's ``VisionTransformer`` has no such head: such a model does not convert
+  to timm.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class ViTArgs:
     drop_path_rate: float = 0.0
     distill_token: bool = False
     """DeiT's distillation token and second classifier ``head_dist`` (needs ``head="cls"``)."""
+    aux_head: bool = False
+    """Token labeling's auxiliary classifier ``aux_head`` on every patch token (not with ``distill_token``)."""
 
 
 class VisionTransformer(nn.Module):
@@ -62,6 +70,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
         if args.distill_token and args.head != "cls":
             raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
+        if args.distill_token and args.aux_head:
+            raise ValueError("aux_head=True does not combine with distill_token=True: use one of the two heads")
         factory = {"device": device, "dtype": dtype}
         self.args = args
         self.num_prefix_tokens = (2 if args.distill_token else 1) if args.head == "cls" else 0
@@ -98,6 +108,7 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(args.drop_rate)
         self.head = nn.Linear(dim, args.num_classes, **factory)
         self.head_dist = nn.Linear(dim, args.num_classes, **factory) if args.distill_token else None
+        self.aux_head = nn.Linear(dim, args.num_classes, **factory) if args.aux_head else None
         self.distilled_training = False
         """With a distillation token, ``forward`` in training mode returns both heads' logits (timm's
         ``set_distilled_training``); the training step sets it for its forward only."""
@@ -137,7 +148,7 @@ class VisionTransformer(nn.Module):
 
     def layer_id(self, param_name: str) -> int:
         """Depth of a parameter for layer-wise LR decay (BEiT's numbering): 0 embeddings, i+1 block i,
-        ``num_layers + 1`` the final norm and the head."""
+        ``num_layers + 1`` the final norm and the heads (the auxiliary head included)."""
         if param_name.startswith(("patch_embed", "cls_token", "dist_token", "pos_embed")):
             return 0
         if param_name.startswith("blocks."):
@@ -160,8 +171,12 @@ class VisionTransformer(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (or ``pre_logits``: the pooled features). With a distillation token: the mean of
         both heads, or with ``both`` (or ``distilled_training`` in training mode) the pair
-        ``(cls_logits, dist_logits)``."""
+        ``(cls_logits, dist_logits)``. With an auxiliary head: the class logits plus 0.5 x the max over
+        patch tokens of the auxiliary logits."""
         if self.head_dist is None:
+            if self.aux_head is not None and not pre_logits:
+                cls_logits, aux_logits = self.forward_head_with_tokens(tokens)
+                return cls_logits + 0.5 * aux_logits.amax(dim=1)
             pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
             pooled = self.head_drop(self.fc_norm(pooled))
             return pooled if pre_logits else self.head(pooled)
@@ -172,6 +187,17 @@ class VisionTransformer(nn.Module):
         if both or (self.distilled_training and self.training):
             return cls_logits, dist_logits
         return (cls_logits + dist_logits) / 2
+
+    def forward_head_with_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(class logits (B, classes), per-patch auxiliary logits (B, patches, classes)) for token
+        labeling; ``tokens`` are :meth:`forward_features`' output."""
+        if self.aux_head is None:
+            raise ValueError("this model has no auxiliary head; build it with aux_head=True (model.aux_head=true)")
+        patches = tokens[:, self.num_prefix_tokens :]
+        pooled = tokens[:, 0] if self.args.head == "cls" else patches.mean(dim=1)
+        cls_logits = self.head(self.head_drop(self.fc_norm(pooled)))
+        # a gap head's final norm (fc_norm) comes after the pooling: each patch token gets it here
+        return cls_logits, self.aux_head(self.head_drop(self.fc_norm(patches)))
 
     def forward_distill(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cls_logits, dist_logits)``: the class head and the distillation head (needs ``distill_token``)."""
