@@ -80,6 +80,20 @@ def _tiny_volo(aux: bool) -> nn.Module:
     return VOLO(args).eval()
 
 
+@pytest.mark.parametrize("head", ["cls", "gap"])
+def test_vit_dense_logits_of_a_teacher_with_an_aux_head_are_that_head(head):
+    torch.manual_seed(0)
+    teacher = build_model("vit_tiny6_patch7", img_size=21, num_classes=10, head=head, aux_head=True).eval()
+    images = _images(size=21)
+    with torch.no_grad():
+        dense = dense_logits(teacher, images)
+        patches = teacher.forward_features(images)[:, teacher.num_prefix_tokens :]
+        by_hand = torch.stack([teacher.aux_head(teacher.fc_norm(patches[:, i])) for i in range(9)], dim=-1)
+        assert dense.shape == (2, 10, 3, 3)
+        assert torch.allclose(dense.flatten(2), by_hand, atol=1e-5)
+        assert not torch.allclose(dense.flatten(2), teacher.head(teacher.fc_norm(patches)).transpose(1, 2), atol=1e-3)
+
+
 @pytest.mark.parametrize("aux", [True, False])
 def test_volo_dense_logits_are_the_aux_head_else_the_head_on_patch_tokens(aux):
     teacher = _tiny_volo(aux)

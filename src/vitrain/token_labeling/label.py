@@ -136,6 +136,9 @@ def _tokens_to_grid(tokens: torch.Tensor, images: torch.Tensor, stride: int) -> 
 
 
 def _vit_dense_logits(teacher: VisionTransformer, images: torch.Tensor) -> torch.Tensor:
+    if teacher.aux_head is not None:  # trained with token labeling: its per-token head, as for VOLO
+        logits = teacher.forward_head_with_tokens(teacher.forward_features(images))[1]
+        return _tokens_to_grid(logits, images, teacher.args.patch_size)
     tokens = teacher.forward_features(images)[:, teacher.num_prefix_tokens :]
     tokens = teacher.fc_norm(tokens)  # the pooled head's norm (identity for CLS-token models)
     logits = teacher.head(tokens)
