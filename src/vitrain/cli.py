@@ -324,6 +324,7 @@ def command_eval(args: argparse.Namespace) -> int:
     weights, info = read_checkpoint_model(args.checkpoint, args.weights)
     config = load_config(Config.model_validate(info["config"]), args)
     config.parallel.strategy = "ddp"  # one process evaluates, whatever sharded the training run
+    _drop_training_signals(config)
     plan = make_plan(config)
     model = build_model_for(plan)
     model.load_state_dict(weights)
@@ -332,6 +333,18 @@ def command_eval(args: argparse.Namespace) -> int:
     step = info["state"]["step"]
     print(json.dumps({"checkpoint": str(args.checkpoint), "weights": args.weights, "step": step, **result}))
     return 0
+
+
+def _drop_training_signals(config: Config) -> None:
+    """Evaluation needs neither the distillation teacher nor the token-label maps the run trained with
+    (they may be gone): their keys go back to off."""
+    from vitrain.config.resolve import TOKEN_LABEL_KEYS
+
+    defaults = Config()
+    keys = ("distill", "teacher", "teacher_weights", "teacher_model", *TOKEN_LABEL_KEYS)
+    for key in keys:
+        setattr(config.train, key, getattr(defaults.train, key))
+    config.data.token_labels = None
 
 
 def command_export(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from vitrain.config.plan import (
     SchedulePlan,
     Stage,
     StepPlan,
+    TokenLabelPlan,
     World,
 )
 from vitrain.config.resolve import (
@@ -68,6 +69,7 @@ __all__ = [
     "ParallelPlan",
     "RuntimePlan",
     "SchedulePlan",
+    "TokenLabelPlan",
     "StepPlan",
     "Config",
     "ConfigError",

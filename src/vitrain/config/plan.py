@@ -8,7 +8,8 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
 - :class:`ParallelPlan` -> ``parallelize``; :class:`OptimizerPlan` -> ``build_optimizer``;
 - :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders
   (its :class:`MixPlan` -> the batch mixer);
-- :class:`StepPlan` (its :class:`DistillPlan` -> the teacher and the distillation loss), :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
+- :class:`StepPlan` (its :class:`DistillPlan` -> the teacher and the distillation loss; its
+  :class:`TokenLabelPlan` -> the label maps, the token-labeling loss and MixToken), :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
   process and model conversions, the loop, the checkpoints; :class:`EmaPlan` -> the weight EMA.
 """
 
@@ -236,6 +237,8 @@ class DataPlan:
     batch: BatchPlan
     mixing: MixPlan | None = None
     """Mixup/CutMix of the training batches, applied by the loop on the device; None: off."""
+    crop_geometry: bool = False
+    """Training batches also carry each sample's index, crop box and flip (token labeling's dense targets)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +257,27 @@ class DistillPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLabelPlan:
+    """Token labeling (``data.token_labels``): the label maps, the loss weights and MixToken."""
+
+    maps: Path
+    """The label-map folder (``vitrain label``'s, or the published per-image maps)."""
+    num_classes: int
+    dense_weight: float
+    cls_weight: float
+    ground_truth: bool
+    """The class token's target: the mean of the smoothed label and the teacher's (else the teacher's)."""
+    mix_token: bool
+    mix_alpha: float
+    patch_size: int
+    """The model's input stride: the auxiliary grid of an image of side S is S // patch_size."""
+
+    def grid(self, image_size: int) -> int:
+        """The side of the auxiliary token grid at ``image_size``."""
+        return image_size // self.patch_size
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """The loss and update settings of the training step besides precision and batch."""
 
@@ -264,6 +288,8 @@ class StepPlan:
     """Softmax cross-entropy, or binary cross-entropy per class (DeiT III)."""
     distill: DistillPlan | None = None
     """Knowledge distillation from a teacher; None: off."""
+    token_labels: TokenLabelPlan | None = None
+    """Token labeling; None: off."""
 
 
 @dataclasses.dataclass(frozen=True)

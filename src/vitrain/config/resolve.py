@@ -683,13 +683,96 @@ def _distill_plan(config: Config) -> parts.DistillPlan | None:
     )
 
 
-def _training_parts(config: Config) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
+TOKEN_LABEL_KEYS = {
+    "mix_token": False,
+    "mix_token_alpha": 1.0,
+    "dense_weight": 0.5,
+    "cls_weight": 1.0,
+    "token_ground_truth": False,
+}
+"""The train.* keys of token labeling and their defaults."""
+
+
+def _check_no_token_label_keys(train: Any) -> None:
+    for key, default in TOKEN_LABEL_KEYS.items():
+        _require(
+            getattr(train, key) == default,
+            f"train.{key}={getattr(train, key)} has no effect without token labels; set data.token_labels to a "
+            "folder of label maps (`vitrain label`) or remove it",
+        )
+
+
+def _token_label_plan(config: Config, num_classes: int, patch: int) -> parts.TokenLabelPlan | None:
+    """Token labeling (``data.token_labels``); its train.* keys without it, or with what its targets cannot
+    follow (pixel mixing, translation, distillation, a model without an auxiliary head), are mistakes. The
+    maps themselves are opened and checked against the training images at the build."""
+    from vitrain.models import model_spec
+
+    data, train = config.data, config.train
+    if data.token_labels is None:
+        _check_no_token_label_keys(train)
+        return None
+    _require(
+        data.token_labels.is_dir(),
+        f"data.token_labels={data.token_labels}: no such folder; make label maps with "
+        f"`vitrain label --teacher T --out {data.token_labels}` (docs/token-labeling.md)",
+    )
+    mixing = [f"data.{key}" for key in ("mixup", "cutmix") if getattr(data, key)]
+    mixing += ["data.cutmix_minmax"] if data.cutmix_minmax is not None else []
+    _require(
+        not mixing,
+        f"{' and '.join(mixing)} with data.token_labels: the dense targets do not follow pixel mixing (VOLO drops "
+        "Mixup/CutMix for MixToken); set " + " ".join(f"{key}=0" for key in mixing) + " and train.mix_token=true",
+    )
+    _require(
+        data.translate == 0,
+        f"data.translate={data.translate} with data.token_labels: the dense targets follow the crop and flip, not "
+        "the shift; set data.translate=0",
+    )
+    _require(
+        train.loss == "ce",
+        f"train.loss={train.loss} with data.token_labels: the token-labeling loss is a soft-target cross-entropy; "
+        "set train.loss=ce",
+    )
+    _require(
+        train.distill == "none",
+        f"train.distill={train.distill} with data.token_labels: use one teacher signal; set train.distill=none "
+        "or data.token_labels=null",
+    )
+    args = model_spec(config.model.name).args
+    default_aux = getattr(args, "aux_head", getattr(args, "use_aux_head", None))
+    aux_head = config.model.aux_head if config.model.aux_head is not None else default_aux
+    _require(
+        default_aux is not None,
+        f"data.token_labels: {config.model.name} has no token grid to label; use a ViT, DeiT, LocalViT or VOLO",
+    )
+    _require(
+        bool(aux_head),
+        f"data.token_labels needs an auxiliary head on the patch tokens, which {config.model.name} is built "
+        "without; set model.aux_head=true",
+    )
+    return parts.TokenLabelPlan(
+        maps=data.token_labels,
+        num_classes=num_classes,
+        dense_weight=train.dense_weight,
+        cls_weight=train.cls_weight,
+        ground_truth=train.token_ground_truth,
+        mix_token=train.mix_token,
+        mix_alpha=train.mix_token_alpha,
+        patch_size=patch,
+    )
+
+
+def _training_parts(
+    config: Config, num_classes: int, patch: int
+) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     step = parts.StepPlan(
         label_smoothing=train.label_smoothing,
         grad_clip=config.optim.grad_clip,
         loss=train.loss,
         distill=_distill_plan(config),
+        token_labels=_token_label_plan(config, num_classes, patch),
     )
     return (
         step,
@@ -732,7 +815,7 @@ def resolve(
     _check_batches_split(batch.global_batch, batch.eval_batch, stages, world)
     lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
     mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
-    step, runtime, loop = _training_parts(config)
+    step, runtime, loop = _training_parts(config, data.num_classes, patch)
     mixing = _mix_plan(config, data.num_classes, stages, batch)
     schedule = _schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages)
     return Plan(
@@ -748,7 +831,16 @@ def resolve(
         optim=_optimizer_plan(config, lr),
         schedule=schedule,
         data=parts.DataPlan(
-            config.data, data.channels, mean, std, config.train.seed, device, world, batch, mixing=mixing
+            config.data,
+            data.channels,
+            mean,
+            std,
+            config.train.seed,
+            device,
+            world,
+            batch,
+            mixing=mixing,
+            crop_geometry=step.token_labels is not None,
         ),
         step=step,
         runtime=runtime,

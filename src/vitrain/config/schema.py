@@ -175,6 +175,10 @@ class DataConfig(Section):
     mix_mode: Literal["batch", "pair", "elem"] = "batch"
     """Mixing parameters drawn once per batch, per pair of images, or per image (timm's modes); each image's
     partner is the one at the mirrored position of this process's batch."""
+    token_labels: Path | None = None
+    """Token labeling (Jiang et al. 2021; VOLO): a folder of label maps from `vitrain label` (or the published
+    per-image TokenLabeling maps) turns it on; every patch token is trained against the teacher's map cut to
+    its crop (needs a model with an auxiliary head: model.aux_head=true for ViTs); null: off."""
 
     @field_validator("cutmix_minmax")
     @classmethod
@@ -334,6 +338,18 @@ class TrainConfig(Section):
     teacher_model: str | None = None
     """vitrain model name of a .safetensors teacher whose metadata holds no config (not written by
     `vitrain export`)."""
+    mix_token: bool = False
+    """MixToken (token labeling): a CutMix box on the token grid after the patch embedding, each image mixed
+    with its partner of the mirrored batch position; needs data.token_labels and replaces data.mixup/cutmix."""
+    mix_token_alpha: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    """MixToken: the share of own tokens is drawn from Beta(alpha, alpha) (VOLO and LV-ViT: 1.0)."""
+    dense_weight: float = Field(0.5, ge=0.0, allow_inf_nan=False)
+    """Token labeling: weight of the mean per-token loss (VOLO: 0.5, LV-ViT: 0.5)."""
+    cls_weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    """Token labeling: weight of the class-token loss."""
+    token_ground_truth: bool = False
+    """Token labeling: the class token's target is the mean of the (smoothed) ground-truth label and the
+    teacher's map over the crop (the toolbox's --ground-truth); false: the teacher's alone (its default)."""
 
 
 class CurriculumStage(Section):

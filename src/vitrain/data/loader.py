@@ -43,10 +43,14 @@ from vitrain.data.transforms import (
     build_per_image_augment,
     build_train_transform,
     eval_resize_size,
+    last_crop_geometry,
     seeded_sample_rngs,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+"""``(uint8 images, int64 labels)``; training batches of a plan with ``crop_geometry`` add a third member,
+the float64 ``(B, 6)`` geometry: each sample's index in the training set (the one actually used, after a bad
+file's replacement), then its :data:`~vitrain.data.transforms.CropGeometry` ``(x1, y1, x2, y2, flipped)``."""
 log = logging.getLogger("vitrain")
 
 
@@ -86,6 +90,7 @@ class InMemoryLoader:
         self.config, self.mean, self.channels = data.source, data.mean, data.in_chans
         self.seed = data.seed
         self.repeats = self.config.repeated_aug if train else 1
+        self.geometry = data.crop_geometry and train
         self.epoch, self.start_sample = 0, 0
         self.bad_images = BadImageLog([], 1.0, "in-memory")  # decoded once, nothing to skip
         self.configure(self.config.image_size, data.batch.global_batch if train else data.batch.eval_batch)
@@ -121,16 +126,27 @@ class InMemoryLoader:
             generator = torch.Generator(device).manual_seed(derive_seed(self.seed, self.epoch, start))
             # the whole global batch draws its crops (cheap at in-memory sizes), so every image gets
             # the crop it gets in a one-process run; this rank keeps its slice
-            images = batch_random_resized_crop(
-                images, self.image_size, self.config.scale, self.config.ratio, self.config.hflip, generator
+            crop = batch_random_resized_crop(
+                images,
+                self.image_size,
+                self.config.scale,
+                self.config.ratio,
+                self.config.hflip,
+                generator,
+                self.geometry,
             )
+            images, where = crop if self.geometry else (crop, None)
             images = batch_random_translate(images, self.config.translate, generator)
             if self.per_image is not None:
                 # seeded per image, so only this rank's slice needs the (slow, per-image) work
                 positions = range(start + local.start, start + local.stop)
                 images[local] = augment_each_image(images[local], self.per_image, self._seeds(order, positions))
             images = batch_random_erase(images, self.config.random_erase, generator)
-            yield images[local], labels[local]
+            if where is None:
+                yield images[local], labels[local]
+            else:
+                geometry = torch.cat([order[start : start + batch, None].double(), where], 1)
+                yield images[local], labels[local], geometry[local]
 
     def _seeds(self, order: torch.Tensor, positions: range) -> list[int]:
         return [
@@ -272,6 +288,9 @@ class ImageFileDataset(Dataset):
     decodes (usually one of the same class), transformed with the original slot's seed: the same
     slot always gets the same replacement, whatever the workers, the epoch order or a restart.
     Without ``replace_bad`` (evaluation) the item has no image and the batch drops it.
+
+    With ``geometry`` (the transform from :func:`~vitrain.data.transforms.build_train_transform`), an item
+    also carries the index of the file used and its crop box and flip (:data:`Batch`'s geometry row).
     """
 
     def __init__(
@@ -281,9 +300,10 @@ class ImageFileDataset(Dataset):
         draft_side: int,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         replace_bad: bool = True,
+        geometry: bool = False,
     ):
         self.samples, self.transform, self.draft_side = samples, transform, draft_side
-        self.max_image_pixels, self.replace_bad = max_image_pixels, replace_bad
+        self.max_image_pixels, self.replace_bad, self.geometry = max_image_pixels, replace_bad, geometry
         self.known_bad: dict[int, BadEvent] = {}  # per worker process: a bad file is decoded once
 
     def __len__(self) -> int:
@@ -298,12 +318,13 @@ class ImageFileDataset(Dataset):
             self.known_bad[index] = (index, error.reason, error.detail)
             return self.known_bad[index]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | None, int, list[BadEvent]]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | None, int, list[BadEvent], tuple | None]:
         index, seed = key
         events: list[BadEvent] = []
         attempts = len(self.samples) if self.replace_bad else 1
         for candidate in (index + offset for offset in range(attempts)):
-            decoded = self._try_decode(candidate % len(self.samples))
+            used = candidate % len(self.samples)
+            decoded = self._try_decode(used)
             if isinstance(decoded, tuple):
                 events.append(decoded)
                 continue
@@ -311,16 +332,19 @@ class ImageFileDataset(Dataset):
             # caller's streams, augmentation is independent of workers and restarts.
             with seeded_sample_rngs(seed):
                 tensor = self.transform(decoded)
-            return tensor, self.samples[candidate % len(self.samples)][1], events
-        return None, self.samples[index][1], events
+            geometry = (float(used), *last_crop_geometry(self.transform)) if self.geometry else None
+            return tensor, self.samples[used][1], events, geometry
+        return None, self.samples[index][1], events, None
 
 
-def collate_decoded(items: list[tuple[torch.Tensor | None, int, list[BadEvent]]]):
-    """``(images, labels, bad events)`` of a batch; items without an image are left out (images and
-    labels are None when none is left)."""
-    kept = [(image, label) for image, label, _ in items if image is not None]
-    images, labels = default_collate(kept) if kept else (None, None)
-    return images, labels, [event for _, _, events in items for event in events]
+def collate_decoded(items: list[tuple[torch.Tensor | None, int, list[BadEvent], tuple | None]]):
+    """``(images, labels, bad events, geometry)`` of a batch; items without an image are left out (images,
+    labels and geometry are None when none is left; geometry also when the items carry none)."""
+    kept = [item for item in items if item[0] is not None]
+    images, labels = default_collate([(image, label) for image, label, *_ in kept]) if kept else (None, None)
+    rows = [item[3] for item in kept if item[3] is not None]
+    geometry = torch.tensor(rows, dtype=torch.float64) if rows else None
+    return images, labels, [event for _, _, events, _ in items for event in events], geometry
 
 
 class FileLoader:
@@ -354,6 +378,7 @@ class FileLoader:
             draft_size(config, image_size, self.train),
             config.max_image_pixels,
             replace_bad=self.train,
+            geometry=self.train and self.data.crop_geometry,
         )
         workers = config.num_workers
         share = self.data.batch.per_process(batch_size)
@@ -377,14 +402,14 @@ class FileLoader:
         self.sampler.set_position(epoch, start_sample)
 
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, events in self.loader:
+        for images, labels, events, geometry in self.loader:
             if events:
                 self.bad_images.record(events)  # raises past data.max_bad_fraction
             if images is None:
                 if self.train:
                     raise TooManyBadImages(self.bad_images.describe_abort(no_image_decodes=True))
                 continue  # an evaluation batch of bad files only
-            yield images, labels
+            yield (images, labels) if geometry is None else (images, labels, geometry)
 
 
 def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:

@@ -124,14 +124,55 @@ def augment_each_image(images: torch.Tensor, augment: PerImageAugment, seeds: Se
     return torch.stack(augmented).to(images.device)
 
 
+CropGeometry = tuple[float, float, float, float, float]
+"""Where a training crop came from: ``(x1, y1, x2, y2, flipped)``, the RandomResizedCrop box as fractions of
+the image's width and height, and 1.0 when the crop was then flipped horizontally (else 0.0)."""
+
+
+class RandomResizedCropFlip:
+    """torchvision v2's ``RandomResizedCrop`` then ``RandomHorizontalFlip(p)`` on a PIL image, with the same
+    draws from torch's generator in the same order (so the same output), remembering the box and the flip
+    of its last call in ``last_geometry`` (token labeling cuts each image's label map to it)."""
+
+    def __init__(self, size: int, scale, ratio, hflip: float):
+        self.crop = v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)
+        self.hflip = hflip
+        self.last_geometry: CropGeometry | None = None
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        width, height = image.size
+        params = self.crop.make_params([image])
+        out = self.crop.transform(image, params)
+        flipped = bool(torch.rand(1) < self.hflip)  # v2's flip: skipped when rand(1) >= p
+        if flipped:
+            out = v2.functional.horizontal_flip(out)
+        top, left, crop_h, crop_w = params["top"], params["left"], params["height"], params["width"]
+        self.last_geometry = (
+            left / width,
+            top / height,
+            (left + crop_w) / width,
+            (top + crop_h) / height,
+            float(flipped),
+        )
+        return out
+
+
+def last_crop_geometry(transform: v2.Compose) -> CropGeometry:
+    """The crop box and flip of the last image ``transform`` (from :func:`build_train_transform`) made."""
+    for step in transform.transforms:
+        if isinstance(step, RandomResizedCropFlip):
+            if step.last_geometry is None:
+                raise RuntimeError("the transform has not cropped an image yet")
+            return step.last_geometry
+    raise ValueError("the transform has no RandomResizedCropFlip step")
+
+
 def build_train_transform(config: DataConfig, mean: Sequence[float], image_size: int | None = None) -> v2.Compose:
     """The per-sample training transform of decoded RGB PIL images; ``mean`` is the normalization mean
-    (RandAugment fills uncovered pixels with it)."""
+    (RandAugment fills uncovered pixels with it). Its crop-and-flip step records where each crop came
+    from (:func:`last_crop_geometry`)."""
     size = image_size or config.image_size
-    steps = [
-        v2.RandomResizedCrop(size, scale=config.scale, ratio=config.ratio, antialias=True),
-        v2.RandomHorizontalFlip(config.hflip),
-    ]
+    steps = [RandomResizedCropFlip(size, config.scale, config.ratio, config.hflip)]
     if config.translate:
         steps.append(v2.RandomCrop(size, padding=config.translate))
     per_image = build_per_image_augment(config, size, mean, channels=3)
@@ -180,13 +221,23 @@ def _sample_crop_boxes(
 
 
 def batch_random_resized_crop(
-    images: torch.Tensor, size: int, scale, ratio, hflip: float, generator: torch.Generator
-) -> torch.Tensor:
-    """RandomResizedCrop + horizontal flip for a uint8 batch, each image its own box (bilinear)."""
+    images: torch.Tensor, size: int, scale, ratio, hflip: float, generator: torch.Generator, geometry: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RandomResizedCrop + horizontal flip for a uint8 batch, each image its own box (bilinear). With
+    ``geometry``, also each image's :data:`CropGeometry` as a float64 ``(B, 5)`` tensor on the host."""
     batch, _, height, width = images.shape
     device = images.device
     x0, y0, crop_w, crop_h = _sample_crop_boxes(batch, height, width, scale, ratio, generator, device)
     flip = torch.rand(batch, device=device, generator=generator) < hflip
+    if geometry:
+        where = torch.stack([x0 / width, y0 / height, (x0 + crop_w) / width, (y0 + crop_h) / height, flip.float()], 1)
+        return _crop_and_flip(images, size, x0, y0, crop_w, crop_h, flip), where.double().cpu()
+    return _crop_and_flip(images, size, x0, y0, crop_w, crop_h, flip)
+
+
+def _crop_and_flip(images: torch.Tensor, size: int, x0, y0, crop_w, crop_h, flip) -> torch.Tensor:
+    batch, _, height, width = images.shape
+    device = images.device
     if size == height == width and bool(((crop_w == width) & (crop_h == height)).all()):
         # every box is the whole image (scale (1, 1)): only the flips remain, no resampling
         return torch.where(flip[:, None, None, None], images.flip(-1), images)

@@ -112,6 +112,9 @@ class VisionTransformer(nn.Module):
         self.distilled_training = False
         """With a distillation token, ``forward`` in training mode returns both heads' logits (timm's
         ``set_distilled_training``); the training step sets it for its forward only."""
+        self.aux_output = False
+        """With an auxiliary head, ``forward`` returns ``(cls_logits, aux_logits)`` apart (``set_aux_output``):
+        the token-labeling step and evaluation set it for their forwards only."""
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
@@ -172,11 +175,11 @@ class VisionTransformer(nn.Module):
         """Logits (or ``pre_logits``: the pooled features). With a distillation token: the mean of
         both heads, or with ``both`` (or ``distilled_training`` in training mode) the pair
         ``(cls_logits, dist_logits)``. With an auxiliary head: the class logits plus 0.5 x the max over
-        patch tokens of the auxiliary logits."""
+        patch tokens of the auxiliary logits, or with ``aux_output`` the pair ``(cls_logits, aux_logits)``."""
         if self.head_dist is None:
             if self.aux_head is not None and not pre_logits:
                 cls_logits, aux_logits = self.forward_head_with_tokens(tokens)
-                return cls_logits + 0.5 * aux_logits.amax(dim=1)
+                return (cls_logits, aux_logits) if self.aux_output else cls_logits + 0.5 * aux_logits.amax(dim=1)
             pooled = tokens[:, 0] if self.args.head == "cls" else tokens.mean(dim=1)
             pooled = self.head_drop(self.fc_norm(pooled))
             return pooled if pre_logits else self.head(pooled)
@@ -207,6 +210,9 @@ class VisionTransformer(nn.Module):
 
     def set_distilled_training(self, enable: bool = True) -> None:
         self.distilled_training = enable
+
+    def set_aux_output(self, enable: bool = True) -> None:
+        self.aux_output = enable
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))

@@ -435,6 +435,8 @@ class VOLO(nn.Module):
         self.head_drop = nn.Dropout(args.drop_rate)
         self.head = nn.Linear(dim, args.num_classes, **factory)
         self._layer_ids = self._number_layers()
+        self.aux_output = False
+        """With an auxiliary head, ``forward`` returns ``(cls_logits, aux_logits)`` apart (``set_aux_output``)."""
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
@@ -539,13 +541,16 @@ class VOLO(nn.Module):
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Class logits, plus 0.5 x the max over patches of the auxiliary logits when there is an
-        auxiliary head (the paper's and timm's inference rule)."""
+        auxiliary head (the paper's and timm's inference rule); with ``aux_output`` the two apart."""
         if pre_logits:
             return self.head_drop(tokens[:, 0])
         if self.aux_head is None:
             return self.head(self.head_drop(tokens[:, 0]))
         cls_logits, aux_logits = self.forward_head_with_tokens(tokens)
-        return cls_logits + 0.5 * aux_logits.amax(dim=1)
+        return (cls_logits, aux_logits) if self.aux_output else cls_logits + 0.5 * aux_logits.amax(dim=1)
+
+    def set_aux_output(self, enable: bool = True) -> None:
+        self.aux_output = enable
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))

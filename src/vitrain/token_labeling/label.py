@@ -193,7 +193,7 @@ class _IndexedImages(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int):
-        image, _, events = self.files[(index, 0)]
+        image, _, events, _ = self.files[(index, 0)]
         return index, image, events
 
 

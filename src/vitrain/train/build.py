@@ -8,11 +8,13 @@
    (:func:`vitrain.kernels.convert`) and channels-last weights (:func:`_apply_converters`);
 3. **parallelism**: first the precision policy's weights (O2: a low-precision copy of the model, the
    module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
-   module that runs: tensor parallelism -> activation checkpointing -> compile -> FSDP2 or DDP;
+   module that runs (MixToken's hook goes on its patch embedding first): tensor parallelism -> activation
+   checkpointing -> compile -> FSDP2 or DDP;
    The distillation teacher (``train.teacher``), frozen and whole on every process, is loaded here too;
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
-6. **loaders**: training and evaluation data, and the mixer of training batches (Mixup/CutMix);
+6. **loaders**: training and evaluation data, the mixer of training batches (Mixup/CutMix), and token
+   labeling's label maps (opened and checked against the training images);
 7. **weight EMA** (``train.ema_decay``): a copy of the initialized weights, laid out as the parameters;
 8. **checkpoint manager** of the run folder.
 
@@ -44,6 +46,8 @@ from vitrain.models import build_model, load_pretrained
 from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
+from vitrain.token_labeling.mixtoken import apply_mix_token
+from vitrain.token_labeling.training import TokenTargets
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.ema import ModelEma
 from vitrain.train.host_memory import configure_host_allocator
@@ -71,12 +75,18 @@ class Run:
     """Mixup/CutMix of the training batches on the device (None: off)."""
     ema: ModelEma | None = None
     """The weight EMA (None: train.ema_decay=0)."""
+    token_targets: TokenTargets | None = None
+    """Token labeling's dense targets of the training batches (None: off)."""
 
 
 def build_run(plan: Plan) -> Run:
     """Every stage, in the order of this module's docstring."""
     step_fn = build_training_step(plan)  # 1-5: model, converters, parallelism, optimizer, step
     train_loader, eval_loader = build_loaders(plan.data)  # 6
+    token_labels = plan.step.token_labels
+    token_targets = (
+        TokenTargets.open(token_labels, plan.data, train_loader, plan.step.label_smoothing) if token_labels else None
+    )
     ema = ModelEma(step_fn.model, plan.ema) if plan.ema.enabled else None  # 7: of the fp32 master under O2
     checkpoints = _build_checkpoints(plan, step_fn, {"train": train_loader, "eval": eval_loader}, ema)  # 8
     return Run(
@@ -91,6 +101,7 @@ def build_run(plan: Plan) -> Run:
         state=TrainState(),
         mixer=build_mixer(plan.data),
         ema=ema,
+        token_targets=token_targets,
     )
 
 
@@ -102,7 +113,10 @@ def build_training_step(plan: Plan) -> TrainStep:
     model = build_model_for(plan)  # 1
     _apply_converters(model, plan)  # 2
     low_precision = apply_precision(model, plan.precision)  # 3: O2's copy is the module that runs
-    forward_module = parallelize(low_precision.compute if low_precision else model, plan.parallel, plan.precision)
+    running = low_precision.compute if low_precision else model
+    token_labels = plan.step.token_labels
+    mix_token = apply_mix_token(running) if token_labels is not None and token_labels.mix_token else None
+    forward_module = parallelize(running, plan.parallel, plan.precision)
     teacher = build_teacher(plan) if plan.step.distill is not None else None  # replicated on every process
     optimizer = build_optimizer(model, plan.optim, plan.precision)  # 4: after sharding made the parameters DTensors
     several = plan.world.size > 1
@@ -120,6 +134,8 @@ def build_training_step(plan: Plan) -> TrainStep:
         loss=plan.step.loss,
         teacher=teacher,
         distill=plan.step.distill,
+        token_labels=token_labels,
+        mix_token=mix_token,
     )
     if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path

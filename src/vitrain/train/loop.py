@@ -112,6 +112,8 @@ class Trainer:
             if "ema_top1" in result
             else ""
         )
+        if "cls_top1" in result:
+            ema = f" (class head alone {result['cls_top1']:.2f}%){ema}"
         log.info(
             "step %d (epoch %.2f): eval top1 %.2f%% top5 %.2f%% loss %.4f%s",
             run.state.step,
@@ -297,8 +299,9 @@ class Trainer:
             if batch is None:
                 return True
             apply_lr(run.optimizer, scheduled_lr(plan.schedule, state, self.train_seconds()))
-            images, labels = self._on_device(*batch)
-            self.last_outputs = run.step_fn(images, labels)
+            images, labels, token_box = self._on_device(*batch)
+            mixing = {} if token_box is None else {"token_box": token_box}
+            self.last_outputs = run.step_fn(images, labels, **mixing)
             self.skips.add(run.step_fn.skipped)
             state.step += 1
             self._update_ema()
@@ -314,17 +317,21 @@ class Trainer:
             if self.progress() >= 1.0 or self.current_stage() != self.stage:
                 return False
 
-    def _on_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A loader batch as the step takes it: normalized images on the device and their labels, or, with
-        Mixup/CutMix, the mixed images and soft targets. The mixing draws are a function of (seed, data
-        slice, epoch, step), so a resumed run mixes as the uninterrupted one did."""
+    def _on_device(self, images: torch.Tensor, labels: torch.Tensor, geometry: torch.Tensor | None = None):
+        """A loader batch as the step takes it: normalized images on the device, their labels and the step's
+        MixToken box (or None). With Mixup/CutMix, the mixed images and soft targets; with token labels, the
+        dense targets of the crops (``geometry``). The mixing draws are a function of (seed, data slice,
+        epoch, step), so a resumed run mixes as the uninterrupted one did."""
         run, plan, state = self.run, self.plan, self.run.state
         images = run.normalize(images.to(plan.device, non_blocking=True))
         labels = labels.to(plan.device, non_blocking=True)
-        if run.mixer is None:
-            return images, labels
+        if run.mixer is None and run.token_targets is None:
+            return images, labels, None
         rng = mixing_generator(plan.seed, plan.world.data_rank, state.epoch, state.step)
-        return run.mixer(images, labels, rng)
+        if run.token_targets is not None:
+            size = images.shape[-1]
+            return images, run.token_targets(labels, geometry, size), run.token_targets.draw_box(size, rng)
+        return *run.mixer(images, labels, rng), None
 
     def _end_epoch(self, progress: tqdm) -> None:
         state, plan = self.run.state, self.plan

@@ -17,9 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from vitrain.config.plan import DistillPlan
+from vitrain.config.plan import DistillPlan, TokenLabelPlan
 from vitrain.parallel.distributed import holds_dtensors, local_shard
 from vitrain.precision import PrecisionPolicy
+from vitrain.token_labeling.loss import token_labeling_loss
+from vitrain.token_labeling.mixtoken import MixTokenHook, TokenBox
 from vitrain.train.losses import DistillationLoss, TrainingLoss
 
 
@@ -182,19 +184,26 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> LowPrecisionWe
     return None
 
 
+HEAD_SWITCHES = {"distill": "set_distilled_training", "aux": "set_aux_output"}
+"""The model method that makes a forward return two heads apart: the distillation head, the auxiliary head."""
+
+
 @contextlib.contextmanager
-def both_heads(module: nn.Module):
-    """While inside, models with a distillation token (``set_distilled_training``) among ``module``'s
-    submodules return ``(cls_logits, dist_logits)`` from a training forward. Set on the inner model so the
-    call still goes through ``module`` (DDP's and FSDP's hooks run); other models return plain logits."""
-    students = [child for child in module.modules() if hasattr(child, "set_distilled_training")]
+def both_heads(module: nn.Module, which: str = "distill"):
+    """While inside, models among ``module``'s submodules with a distillation token (``which="distill"``:
+    ``set_distilled_training``) return ``(cls_logits, dist_logits)`` from a training forward; with an
+    auxiliary head (``which="aux"``: ``set_aux_output``), ``(cls_logits, aux_logits)`` from any forward. Set on
+    the inner model so the call still goes through ``module`` (DDP's and FSDP's hooks run); other models
+    return plain logits."""
+    switch = HEAD_SWITCHES[which]
+    students = [child for child in module.modules() if hasattr(child, switch)]
     for student in students:
-        student.set_distilled_training(True)
+        getattr(student, switch)(True)
     try:
         yield
     finally:
         for student in students:
-            student.set_distilled_training(False)
+            getattr(student, switch)(False)
 
 
 def _as_pair(outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +223,11 @@ class TrainStep:
     ``ce`` or ``bce`` (:class:`~vitrain.train.losses.TrainingLoss`): on hard labels with ``label_smoothing``,
     or on the soft targets of mixed batches, which hold their smoothing. ``teacher`` and ``distill``: knowledge
     distillation (:class:`~vitrain.train.losses.DistillationLoss`): the frozen teacher runs on each
-    micro-batch (no gradient, under the policy's autocast) and the student returns both heads' logits."""
+    micro-batch (no gradient, under the policy's autocast) and the student returns both heads' logits.
+    ``token_labels``: token labeling; the step's targets are ``(B, C, 1 + N)`` dense targets
+    (:class:`~vitrain.token_labeling.training.TokenTargets`) and the model returns its class and auxiliary
+    heads apart; ``mix_token``: the MixToken hook on the running model's patch embedding (each call then takes
+    its ``token_box``)."""
 
     def __init__(
         self,
@@ -232,6 +245,8 @@ class TrainStep:
         loss: str = "ce",
         teacher: nn.Module | None = None,
         distill: DistillPlan | None = None,
+        token_labels: TokenLabelPlan | None = None,
+        mix_token: MixTokenHook | None = None,
     ):
         if (low_precision is not None) != (policy.weights == "low_precision_copy"):
             raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
@@ -243,6 +258,9 @@ class TrainStep:
         self.distillation = (
             DistillationLoss(self.criterion, distill.kind, distill.alpha, distill.tau) if distill is not None else None
         )
+        self.token_labels, self.mix_token = token_labels, mix_token
+        if mix_token is not None and (token_labels is None or not token_labels.mix_token):
+            raise ValueError("a MixToken hook needs token labels with mix_token on")
         self.low_precision = low_precision
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
         if forward_module is None:
@@ -264,11 +282,20 @@ class TrainStep:
         if self.low_precision is not None:
             self.low_precision.push_weights()
 
+    def _mixing(self, images: torch.Tensor, token_box: tuple[TokenBox, float] | None):
+        """MixToken with ``token_box`` for the forwards inside (nothing without a hook or a box)."""
+        if self.mix_token is None or token_box is None:
+            return contextlib.nullcontext()
+        grid = self.token_labels.grid(images.shape[-1])
+        return self.mix_token.mixing(token_box[0], (grid, grid))
+
     def warm_up(self, batches: Iterable[torch.Tensor]) -> None:
         """Forward and backward of each batch with no gradient reduction across processes and no update,
-        then drop the gradients: compiles the training shapes before the clock starts (``train.compile``)."""
+        then drop the gradients: compiles the training shapes before the clock starts (``train.compile``);
+        with MixToken, with a box set, as every training forward has one."""
         for images in batches:
-            with deferred_gradient_sync(self.forward_module):
+            box = (TokenBox(0, 1, 0, 1), 1.0) if self.mix_token is not None else None
+            with deferred_gradient_sync(self.forward_module), self._mixing(images, box):
                 if self.teacher is not None:
                     self._teacher_logits(images)
                 outputs = self._forward(images)
@@ -281,7 +308,12 @@ class TrainStep:
                 param.grad = None
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        heads = both_heads(self.forward_module) if self.teacher is not None else contextlib.nullcontext()
+        if self.teacher is not None:
+            heads = both_heads(self.forward_module, "distill")
+        elif self.token_labels is not None:
+            heads = both_heads(self.forward_module, "aux")
+        else:
+            heads = contextlib.nullcontext()
         with heads:
             if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
                 return self.forward_module(images.to(self.policy.compute_dtype))
@@ -294,17 +326,33 @@ class TrainStep:
         with self.policy.autocast_context():
             return self.teacher(images).float()
 
-    def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The forward and the loss of one micro-batch (with the teacher's forward when distilling)."""
+    def _loss(
+        self, images: torch.Tensor, labels: torch.Tensor, token_box: tuple[TokenBox, float] | None = None
+    ) -> torch.Tensor:
+        """The forward and the loss of one micro-batch (with the teacher's forward when distilling; mixed by
+        ``token_box`` and against dense targets with token labels)."""
+        if self.token_labels is not None:
+            plan = self.token_labels
+            with self._mixing(images, token_box):
+                cls_logits, aux_logits = self._forward(images)
+                if self.mix_token is not None:
+                    aux_logits = self.mix_token.unmix(aux_logits)
+            lam = token_box[1] if token_box is not None else 1.0
+            return token_labeling_loss(
+                cls_logits, aux_logits, labels[:, :, 0], labels[:, :, 1:], lam, plan.dense_weight, plan.cls_weight
+            )
         if self.distillation is None:
             return self.criterion(self._forward(images).float(), labels)
         teacher_logits = self._teacher_logits(images)
         cls_logits, dist_logits = _as_pair(self._forward(images))
         return self.distillation(cls_logits, dist_logits, labels, teacher_logits)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on the batch (``labels``: class indices, or soft targets (B, classes) of a
-        mixed batch), skipped when the loss or gradient norm is not finite; with
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor, token_box: tuple[TokenBox, float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the batch (``labels``: class indices, soft targets (B, classes) of a
+        mixed batch, or token labeling's dense targets with the step's MixToken ``token_box`` and its share
+        of own tokens), skipped when the loss or gradient norm is not finite; with
         ``micro_batch`` set, gradients are accumulated over micro-batches of that size (each loss weighted
         by its share, so the update is the batch's) and DDP reduces them once, on the last."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -317,7 +365,7 @@ class TrainStep:
             last = index == len(pieces) - 1
             with contextlib.nullcontext() if last else deferred_gradient_sync(self.forward_module):
                 share = len(piece_labels) / len(labels)
-                piece_loss = self._loss(piece_images, piece_labels) * share
+                piece_loss = self._loss(piece_images, piece_labels, token_box) * share
                 self.scaler.scale(piece_loss).backward()
             loss += piece_loss.detach()
         if self.low_precision is not None:

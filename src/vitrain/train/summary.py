@@ -66,6 +66,7 @@ def write_summary(
         "final_top5": state.last_eval["top5"] if state.last_eval else None,
         "best_ema_top1": state.best_ema_top1,
         "final_ema_top1": state.last_eval.get("ema_top1") if state.last_eval else None,
+        "final_cls_top1": state.last_eval.get("cls_top1") if state.last_eval else None,
         "wall_s": wall_s,
         "train_s": state.train_s,
         "eval_s": state.eval_s,
