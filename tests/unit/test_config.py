@@ -297,6 +297,8 @@ def test_every_recipe_validates_and_is_documented(tmp_path):
         assert doc, f"recipe {name} has no docstring"
         if config.train.teacher is not None and config.train.teacher_weights is None:
             config.train.teacher_weights = teacher_weights
+        if config.data.token_labels is not None:  # resolve checks that the label-map folder exists
+            config.data.token_labels = tmp_path
         plan = resolve(config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16)  # model options fit
         assert plan.schedule.stages[-1].image_size == config.data.image_size
 
