@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_parser(commands)
     _add_slurm_parser(commands)
+    _add_plot_parser(commands)
     _add_check_data_parser(commands)
     _add_doctor_parser(commands)
     _add_label_parser(commands)
@@ -208,6 +209,23 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--plot", type=Path, help="--ladder/--nproc: PNG path (default: <kind>-<model>.png, or beside --json)"
     )
+
+
+def _add_plot_parser(commands) -> None:
+    plot = commands.add_parser(
+        "plot",
+        help="learning curves of one or several runs (top-1, loss, LR, img/s, MFU, data wait) as PNG, SVG or HTML",
+    )
+    plot.add_argument("runs", nargs="+", type=Path, help="run folders (train.out_dir, holding metrics.jsonl)")
+    plot.add_argument("--out", required=True, type=Path, help="the .png, .svg or .html file to write")
+    plot.add_argument("--names", nargs="+", help="one name per run in the legend (default: the folder names)")
+
+
+def command_plot(args: argparse.Namespace) -> int:
+    from vitrain.report.runs import plot_runs
+
+    print(plot_runs(args.runs, args.out, args.names))
+    return 0
 
 
 def _add_slurm_parser(commands) -> None:
@@ -534,6 +552,7 @@ COMMANDS = {
     "check-data": command_check_data,
     "doctor": command_doctor,
     "label": command_label,
+    "plot": command_plot,
 }
 
 
