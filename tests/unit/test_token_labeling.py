@@ -387,3 +387,11 @@ def test_the_aux_head_is_read_from_weights():
     assert inferred_model_args(with_head, "vit_tiny_patch16")["aux_head"] is True
     without = build_model("volo_d1", device="meta", use_aux_head=False).state_dict()
     assert inferred_model_args(without, "volo_d1")["use_aux_head"] is False
+
+
+@pytest.mark.parametrize("name", ["localvit_tiny6_convstem_patch8", "vit_tiny6_patch7", "volo_d1", "resnet50"])
+def test_input_channels_are_read_from_the_first_layer(name):
+    """The default model's convolutional stem too: its patch projection is not its first layer."""
+    options = {"img_size": 32 if name != "vit_tiny6_patch7" else 28} if name != "resnet50" else {}
+    weights = build_model(name, device="meta", in_chans=1, num_classes=10, **options).state_dict()
+    assert inferred_model_args(weights, name)["in_chans"] == 1

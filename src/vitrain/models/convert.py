@@ -56,7 +56,14 @@ def inferred_model_args(state_dict: Mapping[str, torch.Tensor], name: str) -> di
         if key in state_dict and hasattr(args, "num_classes"):
             overrides["num_classes"] = state_dict[key].shape[0]
     if hasattr(args, "in_chans"):
-        for key in ("patch_embed.conv.0.weight", "conv1.weight", "patch_embed.proj.weight"):  # first layer first
+        # the first layer: VOLO's stem, ResNet's, a ViT's convolutional stem, else a ViT's patchify projection
+        first_layers = (
+            "patch_embed.conv.0.weight",
+            "conv1.weight",
+            "patch_embed.convs.0.weight",
+            "patch_embed.proj.weight",
+        )
+        for key in first_layers:
             if key in state_dict:
                 overrides["in_chans"] = state_dict[key].shape[1]
                 break
