@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 from pathlib import Path
 
 import torch
 
+from vitrain.metrics.utilization import max_rss_bytes
 from vitrain.train.host_memory import return_free_heap_to_os
 
 _STATUS = Path("/proc/self/status")
@@ -32,11 +31,6 @@ def _reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def _max_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux
 
 
 class PeakMemory:
@@ -70,7 +64,7 @@ class PeakMemory:
         if self._resettable:
             self._baseline = _status_bytes("VmRSS") or 0
         else:
-            self._baseline = _max_rss_bytes()
+            self._baseline = max_rss_bytes()
 
     def stop(self) -> None:
         if self.device.startswith("cuda"):
@@ -85,7 +79,7 @@ class PeakMemory:
                 "in a process also counts library pages loaded on first use)"
             )
             return
-        increase = _max_rss_bytes() - self._baseline
+        increase = max_rss_bytes() - self._baseline
         self.source = "CPU peak RSS increase (ru_maxrss)"
         if increase > 0:
             self.bytes = increase

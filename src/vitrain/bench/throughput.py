@@ -9,7 +9,8 @@ starts, with random labels: this measures the step, not the input pipeline.
 Timing: ``warmup`` steps (compilation included) are excluded; then ``repeats`` windows of
 ``steps`` steps each, every window closed by a device synchronisation (``torch.cuda.synchronize``;
 on CPU ``loss.item()``). The median window gives img/s and ms per step; min and max give the spread.
-MFU = 3 x analytic forward FLOPs x img/s / peak FLOP/s of the device for the dtype.
+MFU = 3 x analytic forward FLOPs x img/s / peak FLOP/s of the device for the dtype
+(``vitrain.metrics.utilization``, which the training loop's metrics lines use too).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from vitrain.data import Normalize
 from vitrain.data.loader import derive_seed
 from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
+from vitrain.metrics.utilization import achieved_tflops, training_flops, utilization
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
 from vitrain.train.attention_probe import attention_impl
@@ -165,18 +167,11 @@ def throughput_record(
     """The measured figures of one benchmark: img/s (global), ms/step, FLOPs, MFU per device, peak memory."""
     batch, devices = plan.batch.global_batch, plan.world.size
     rates = [batch * settings.steps / seconds for seconds in times.window_s]
-    train_flops_per_step = 3 * flops_per_image * batch  # backward costs twice the forward
+    train_flops_per_step = training_flops(flops_per_image, batch)
     img_s_median = statistics.median(rates)
-    achieved_tflops = train_flops_per_step / batch * img_s_median / devices / 1e12  # per device
+    tflops = achieved_tflops(training_flops(flops_per_image, 1) * img_s_median) / devices  # per device
     peak = peak_flops(plan.device, plan.precision.dtype)
-    mfu, mfu_reason = None, peak.source
-    if peak.tflops and achieved_tflops > peak.tflops:
-        mfu_reason = (
-            f"achieved {achieved_tflops:.4g} TFLOP/s exceeds the peak {peak.tflops:.4g} ({peak.source}): "
-            "that peak does not represent this model's kernels"
-        )
-    elif peak.tflops:
-        mfu, mfu_reason = achieved_tflops / peak.tflops, None
+    mfu, mfu_reason = utilization(tflops, peak)
     return {
         "world_size": devices,
         "img_s_median": img_s_median,
@@ -189,7 +184,7 @@ def throughput_record(
         "final_loss": times.final_loss,
         "flops_per_image_fwd": flops_per_image,
         "train_flops_per_step": train_flops_per_step,
-        "achieved_tflops": achieved_tflops,
+        "achieved_tflops": tflops,
         "peak_tflops": peak.tflops,
         "peak_source": peak.source,
         "mfu": mfu,

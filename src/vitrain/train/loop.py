@@ -22,6 +22,9 @@ from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, l
 from vitrain.config import Plan, Stage
 from vitrain.data.mixing import mixing_generator
 from vitrain.metrics import JsonlWriter, NullWriter
+from vitrain.metrics.peak import peak_flops
+from vitrain.metrics.utilization import WindowPeakMemory, achieved_tflops, training_flops, utilization
+from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
     Run,
@@ -66,6 +69,11 @@ class Trainer:
         self.last_eval_step = self.last_checkpoint_step = -1
         self.session_images, self.session_train_s, self.session_data_wait_s = 0, 0.0, 0.0
         self.window_images, self.window_started, self.window_data_wait_s = 0, 0.0, 0.0
+        self.forward_flops, self.window_flops, self.session_flops = 0, 0, 0  # forward: per image, this stage
+        self.session_peak_mem_gib: float | None = None
+        self.memory = WindowPeakMemory(self.plan.device)
+        # rank 0 alone writes metrics: the others skip the CPU's matmul probe
+        self.peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
         self.wall_started = self.last_checkpoint_at = clock()
@@ -213,6 +221,8 @@ class Trainer:
 
     def _open_window(self) -> None:
         self.window_images, self.window_started, self.window_data_wait_s = 0, self.clock(), 0.0
+        self.window_flops = 0
+        self.memory.start()
 
     def _close_window(self, progress: tqdm) -> None:
         """Synchronize once, charge the window's seconds to training, write a metrics line."""
@@ -237,14 +247,31 @@ class Trainer:
             "grad_norm": grad_norm_value if math.isfinite(grad_norm_value) else None,
             "skipped_steps": state.skipped_steps,
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
+            **self._window_utilization(elapsed),
             "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
             "image_size": self.stage.image_size if self.stage else None,
             "bad_images": len(self.run.train_loader.bad_images.bad),
             **self._clocks(),
         }
         self.metrics.write(record)
-        progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", refresh=False)
+        mfu = {} if record["mfu"] is None else {"mfu": f"{100 * record['mfu']:.1f}%"}
+        progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", **mfu, refresh=False)
         self._open_window()
+
+    def _window_utilization(self, elapsed: float) -> dict[str, float | None]:
+        """``tflops`` (the whole job's), ``mfu`` (per device) and ``peak_mem_gib`` of the window closing;
+        adds its FLOPs to the session's. No device sync: FLOPs are counted on the host per step."""
+        self.session_flops += self.window_flops
+        tflops = achieved_tflops(self.window_flops, elapsed)
+        peak_mem_gib = self.memory.peak_gib()
+        self.session_peak_mem_gib = max(self.session_peak_mem_gib or 0.0, peak_mem_gib)
+        return {"tflops": tflops, "mfu": self._mfu(tflops), "peak_mem_gib": peak_mem_gib}
+
+    def _mfu(self, tflops: float | None) -> float | None:
+        """MFU of the job's ``tflops``: per device, against this device's peak (None when unknown)."""
+        if self.peak is None or tflops is None:
+            return None
+        return utilization(tflops / self.plan.world.size, self.peak)[0]
 
     def _check_skipped_steps(self, loss_value: float, grad_norm_value: float) -> None:
         """Bring the skip counts into the state; stop when a streak passed train.max_skipped_steps."""
@@ -283,7 +310,16 @@ class Trainer:
                     }
                 )
             self.stage = stage
+            self.forward_flops = self._forward_flops(stage.image_size)
         self.run.train_loader.configure(stage.image_size, stage.batch_size)
+
+    def _forward_flops(self, image_size: int) -> int:
+        """Analytic forward FLOPs per image at ``image_size`` (0, with a warning, for a model without them)."""
+        try:
+            return model_flops(self.run.model, image_size)
+        except TypeError as error:
+            log.warning("no TFLOP/s or MFU in the metrics: %s", error)
+            return 0
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -309,6 +345,7 @@ class Trainer:
             state.images_seen += images_in_step
             state.epoch_images += images_in_step
             self.window_images += images_in_step
+            self.window_flops += training_flops(self.forward_flops, images_in_step)
             position = min(1.0, self.progress()) * plan.schedule.run_length
             progress.update(round(position) - progress.n)
             if state.step % plan.loop.log_every_steps == 0:
@@ -371,6 +408,7 @@ class Trainer:
         return self._summary()
 
     def _summary(self, preempted: str | None = None) -> dict[str, Any]:
+        tflops = achieved_tflops(self.session_flops, self.session_train_s)
         return write_summary(
             self.run,
             self.clock() - self.wall_started,
@@ -378,6 +416,7 @@ class Trainer:
             self.session_train_s,
             self.session_data_wait_s,
             preempted,
+            {"mean_tflops": tflops, "mean_mfu": self._mfu(tflops), "peak_mem_gib": self.session_peak_mem_gib},
         )
 
 

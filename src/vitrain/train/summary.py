@@ -48,7 +48,10 @@ def write_summary(
     session_train_s: float,
     session_data_wait_s: float,
     preempted: str | None = None,
+    utilization: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
+    """Write ``summary.json`` (rank 0) and return it. ``utilization``: the session's ``mean_tflops`` (the
+    whole job's), ``mean_mfu`` (per device) and ``peak_mem_gib``, as the training loop measured them."""
     state, plan = run.state, run.plan
     summary = {
         "model": plan.model.name,
@@ -72,6 +75,7 @@ def write_summary(
         "eval_s": state.eval_s,
         "checkpoint_s": state.checkpoint_s,
         "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
+        **{"mean_tflops": None, "mean_mfu": None, "peak_mem_gib": None, **(utilization or {})},
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
         "bad_images": run.train_loader.bad_images.counts(),
         "bad_eval_images": run.eval_loader.bad_images.counts(),
