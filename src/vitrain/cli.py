@@ -243,6 +243,12 @@ def _add_slurm_parser(commands) -> None:
     slurm.add_argument("--job-name", default="vitrain")
     slurm.add_argument("--cpus-per-gpu", type=int, default=8, help="CPU cores per GPU for data loading (default 8)")
     slurm.add_argument("--no-numa-binding", action="store_true", help="do not pass --numa-binding=node to torchrun")
+    slurm.add_argument(
+        "--launcher",
+        choices=["torchrun", "srun"],
+        default="torchrun",
+        help="torchrun (default): one task per node starts the workers; srun: one task per GPU, each a worker",
+    )
     slurm.add_argument("--out", type=Path, help="write the script here (default: stdout)")
     slurm.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `vitrain train`")
 
@@ -262,6 +268,7 @@ def command_slurm(args: argparse.Namespace) -> int:
         account=args.account,
         cpus_per_gpu=args.cpus_per_gpu,
         numa_binding=not args.no_numa_binding,
+        launcher=args.launcher,
     )
     build_parser().parse_args(["train", *train_args])  # bad train arguments fail here, not on the cluster
     script = sbatch_script(job, train_args)

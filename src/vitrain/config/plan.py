@@ -45,7 +45,7 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """This process's place among the processes of a run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
+    """This process's place among the processes of a run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK, or srun's)."""
 
     rank: int = 0
     size: int = 1
@@ -69,9 +69,16 @@ class World:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> World:
+        """torchrun's RANK / WORLD_SIZE / LOCAL_RANK; without them, in a job step ``srun`` started (one task
+        per process), Slurm's SLURM_PROCID / SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) / SLURM_LOCALID;
+        otherwise one process. A batch script's own shell has Slurm's job variables but no step
+        (SLURM_STEP_ID): it is one process."""
         import os
 
         env = os.environ if environ is None else environ
+        if "RANK" not in env and "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+            size = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+            return cls(int(env["SLURM_PROCID"]), int(size), int(env.get("SLURM_LOCALID", 0)))
         return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 

@@ -1,11 +1,12 @@
-"""torch.distributed for runs launched by torchrun (or srun + torchrun): the process group from the
-environment, and the few collectives the loop needs. Nothing here is home-made communication:
+"""torch.distributed for runs launched by torchrun (or srun + torchrun, or srun alone): the process group
+from the environment, and the few collectives the loop needs. Nothing here is home-made communication:
 NCCL on GPUs, gloo on CPUs, torch's DistributedDataParallel for the model."""
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vitrain.config import World
+from vitrain.parallel.slurm import slurm_rendezvous
 
 log = logging.getLogger("vitrain")
 
@@ -28,12 +30,18 @@ def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
     ``timeout_s`` raise, so a dead or stuck peer fails the job instead of hanging it."""
     if world.size == 1 or dist.is_initialized():
         return
+    rendezvous = slurm_rendezvous(os.environ)  # srun without torchrun: none is set yet
+    if rendezvous:
+        os.environ.update(rendezvous)
+        log.info("rendezvous from Slurm: %s", ", ".join(f"{key}={value}" for key, value in rendezvous.items()))
     if cuda:
         torch.cuda.set_device(world.local_rank)
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=torch.device("cuda", world.local_rank) if cuda else None,
+        rank=world.rank,  # srun alone sets no RANK / WORLD_SIZE for env:// to read
+        world_size=world.size,
     )
     if cuda:
         global _host_group

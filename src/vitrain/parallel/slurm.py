@@ -1,7 +1,11 @@
-"""``vitrain slurm``: an sbatch script that runs ``vitrain train`` on N nodes x G GPUs.
+"""``vitrain slurm``: an sbatch script that runs ``vitrain train`` on N nodes x G GPUs; and the process
+group's rendezvous of a job step ``srun`` started without torchrun.
 
-One Slurm task per node runs torchrun, which starts G workers and joins the other nodes through a
-c10d rendezvous on the job's first node (torchrun's own elastic agent, no home-made launcher).
+Launcher torchrun (the default): one Slurm task per node runs torchrun, which starts G workers and
+joins the other nodes through a c10d rendezvous on the job's first node (torchrun's own elastic agent,
+no home-made launcher). Launcher srun: Slurm starts G tasks per node, each ``python -m vitrain train``
+itself; each takes its rank from Slurm's variables (``World.from_env``) and meets the others at the
+job's first node (:func:`slurm_rendezvous`).
 Slurm sends SIGUSR1 a few minutes before the time limit: the batch shell passes it on to the
 workers (srun and torchrun forward it), which finish their step, write a checkpoint and exit with
 code 3 (``vitrain.cli.EXIT_PREEMPTED``; torchrun itself then exits non-zero); once the job step has
@@ -13,7 +17,13 @@ write the checkpoint.) SIGTERM, which Slurm sends on preemption or ``scancel``, 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+LAUNCHERS = ("torchrun", "srun")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,27 +44,36 @@ class SlurmJob:
     """torchrun --numa-binding=node: each worker on the CPUs of its GPU's NUMA node."""
     port: int = 29500
     logs: str = "logs"
+    launcher: str = "torchrun"
+    """torchrun: one task per node starts the node's workers; srun: one task per GPU, each a worker."""
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node if self.launcher == "srun" else 1
 
 
 def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
     """The batch script; ``train_args`` are passed to ``vitrain train`` (quoted)."""
     if job.nodes < 1 or job.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
-    lines = [*_sbatch_header(job), *_environment(job), *_launch_with_requeue(_torchrun_command(job, train_args))]
+    if job.launcher not in LAUNCHERS:
+        raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {job.launcher!r}")
+    command = _torchrun_command(job, train_args) if job.launcher == "torchrun" else _worker_command(train_args)
+    lines = [*_sbatch_header(job), *_environment(job), *_launch_with_requeue(command)]
     return "\n".join(lines)
 
 
 def _sbatch_header(job: SlurmJob) -> list[str]:
-    """The shebang and the ``#SBATCH`` directives: one task per node, the signal before the limit, requeue."""
+    """The shebang and the ``#SBATCH`` directives: the tasks, the signal before the limit, requeue."""
     optional = [f"#SBATCH --partition={job.partition}"] if job.partition else []
     optional += [f"#SBATCH --account={job.account}"] if job.account else []
     return [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.nodes}",
-        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --ntasks-per-node={job.tasks_per_node}",
         f"#SBATCH --gpus-per-node={job.gpus_per_node}",
-        f"#SBATCH --cpus-per-task={job.cpus_per_gpu * job.gpus_per_node}",
+        f"#SBATCH --cpus-per-task={job.cpus_per_gpu * job.gpus_per_node // job.tasks_per_node}",
         f"#SBATCH --time={job.time}",
         f"#SBATCH --signal=B:USR1@{job.signal_before_s}",
         "#SBATCH --requeue",
@@ -96,7 +115,13 @@ def _torchrun_command(job: SlurmJob, train_args: list[str]) -> list[str]:
     ]
 
 
-def _launch_with_requeue(torchrun: list[str]) -> list[str]:
+def _worker_command(train_args: list[str]) -> list[str]:
+    """One worker per task (launcher srun): ``python -m vitrain train --resume auto``; every task sees all
+    of its node's GPUs and takes the one of its SLURM_LOCALID."""
+    return ["python -m vitrain train --resume auto", *(shlex.quote(arg) for arg in train_args)]
+
+
+def _launch_with_requeue(command: list[str]) -> list[str]:
     """srun in the background so the shell's USR1 trap runs; the requeue only after the step has ended."""
     return [
         "# time limit: the workers finish their step, checkpoint and exit (code 3); then the job is requeued",
@@ -109,7 +134,7 @@ def _launch_with_requeue(torchrun: list[str]) -> list[str]:
         "trap forward_usr1 USR1",
         "",
         "srun --kill-on-bad-exit=1 \\",
-        "    " + " \\\n    ".join(torchrun) + " &",
+        "    " + " \\\n    ".join(command) + " &",
         "step=$!",
         "status=0",
         'wait "$step" || status=$?',
@@ -120,3 +145,79 @@ def _launch_with_requeue(torchrun: list[str]) -> list[str]:
         'exit "$status"',
         "",
     ]
+
+
+# --- srun without torchrun: the rendezvous ---------------------------------------------------------
+
+_HOST_WITH_RANGE = re.compile(r"^(?P<prefix>[^\[]*)\[(?P<ranges>[^\]]*)\](?P<rest>.*)$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``a[1,2],b`` -> ``["a[1,2]", "b"]``: commas outside brackets separate hosts."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return [part for part in parts if part]
+
+
+def _expand_ranges(ranges: str, text: str) -> list[str]:
+    """``01-03,07`` -> ``["01", "02", "03", "07"]``: zero padding kept as the range's start writes it."""
+    values = []
+    for item in ranges.split(","):
+        low, _, high = item.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ValueError(f"cannot read the Slurm host list {text!r}: bad range {item!r}")
+        values += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
+    return values
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """The hosts of Slurm's compressed host-list syntax, in order: ``node[01-03,07],gpu5`` -> node01,
+    node02, node03, node07, gpu5 (several bracket groups in one name multiply: ``r[1-2]n[1-2]``)."""
+    hosts = []
+    for part in _split_top_level(text.strip()):
+        match = _HOST_WITH_RANGE.match(part)
+        if match is None:
+            if "[" in part or "]" in part:
+                raise ValueError(f"cannot read the Slurm host list {text!r}: unbalanced bracket in {part!r}")
+            hosts.append(part)
+            continue
+        for value in _expand_ranges(match["ranges"], text):
+            hosts += [match["prefix"] + value + rest for rest in expand_hostlist(match["rest"]) or [""]]
+    return hosts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``scontrol show hostnames`` where it is installed (it knows
+    every form Slurm writes), else :func:`expand_hostlist`."""
+    if shutil.which("scontrol"):
+        try:
+            result = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+            )
+            if result.stdout.split():
+                return result.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    hosts = expand_hostlist(nodelist)
+    if not hosts:
+        raise ValueError(f"the Slurm node list {nodelist!r} names no host")
+    return hosts[0]
+
+
+def slurm_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT (read by torch's ``env://`` init) for a job step srun started without
+    torchrun, each only where ``env`` lacks it: the step's (or job's) first node, and port
+    20000 + SLURM_JOB_ID % 20000 (so two jobs sharing a node use different ports). Empty outside Slurm."""
+    found = {}
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if "MASTER_ADDR" not in env and nodelist:
+        found["MASTER_ADDR"] = first_host(nodelist)
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if "MASTER_PORT" not in env and job_id and job_id.isdigit():
+        found["MASTER_PORT"] = str(20000 + int(job_id) % 20000)
+    return found
