@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from vitrain.checkpoint import CheckpointError
+from vitrain.checkpoint import CheckpointError, resolve_checkpoint_argument
 from vitrain.config import Config, ConfigError, Hardware, World, build_config, config_to_yaml
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
 from vitrain.train import make_plan
@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a recipe (default: locality ViT on Fashion-MNIST)")
     _add_config_arguments(train)
     train.add_argument(
-        "--resume", metavar="auto|PATH", help="continue from the newest checkpoint of the run (auto) or a file"
+        "--resume",
+        metavar="auto|last|best|PATH",
+        help="continue from the newest checkpoint of the run (auto: or start; last: or fail), its best by eval "
+        "top-1 (best), or a file",
     )
 
     finetune = commands.add_parser(
@@ -74,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         type=Path,
-        help="a checkpoint (runs/.../checkpoints/step-*: file or sharded folder)",
+        help="a checkpoint (runs/.../checkpoints/step-*: file or sharded folder) or a run folder (its best)",
     )
     _add_weights_argument(evaluate)
     _add_config_arguments(evaluate, with_recipe=False)
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export", help="write a checkpoint's model weights (file or sharded folder) as one safetensors file"
     )
-    export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* (file or folder)")
+    export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* or a run folder")
     export.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
     _add_weights_argument(export)
 
@@ -346,6 +349,7 @@ def command_eval(args: argparse.Namespace) -> int:
     from vitrain.train import build_model_for
     from vitrain.train.evaluate import evaluate
 
+    args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     weights, info = read_checkpoint_model(args.checkpoint, args.weights)
     config = load_config(Config.model_validate(info["config"]), args)
     config.parallel.strategy = "ddp"  # one process evaluates, whatever sharded the training run
@@ -375,6 +379,7 @@ def _drop_training_signals(config: Config) -> None:
 def command_export(args: argparse.Namespace) -> int:
     from vitrain.checkpoint.sharded import export_model
 
+    args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     count = export_model(args.checkpoint, args.out, args.weights)
     result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "out": str(args.out), "tensors": count}
     print(json.dumps(result))

@@ -5,8 +5,10 @@ from vitrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     find_best_checkpoint,
+    find_last_checkpoint,
     find_latest_checkpoint,
     load_checkpoint,
+    resolve_checkpoint_argument,
 )
 from vitrain.checkpoint.training import (
     CHECKPOINT_FORMAT,
@@ -21,8 +23,10 @@ __all__ = [
     "CheckpointManager",
     "RunCheckpoints",
     "find_best_checkpoint",
+    "find_last_checkpoint",
     "find_latest_checkpoint",
     "find_resume_checkpoint",
     "load_checkpoint",
     "load_resume_payload",
+    "resolve_checkpoint_argument",
 ]

@@ -5,13 +5,15 @@ name, fsynced, then renamed into place and the folder fsynced, so the final name
 marker: a file with that name is always complete, and a crash or SIGKILL at any moment (mid-save
 included) leaves at most a ``.tmp-`` file that is ignored and cleaned up by the next save. Older
 checkpoints are pruned only after the new one is in place. ``checkpoints/best.json`` names the
-checkpoint with the best eval top-1, which pruning keeps beside the newest ``keep_last``.
+checkpoint with the best eval top-1, which pruning keeps beside the newest ``keep_last``. By name: ``last``
+is the newest complete checkpoint of a run folder, ``best`` the one ``best.json`` names.
 Loading uses ``weights_only=True``: nothing but tensors and plain containers is unpickled.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -24,6 +26,8 @@ import torch
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{9})(\.pt)?$")
 """A single-file checkpoint ``step-N.pt`` or a sharded one, the folder ``step-N`` (checkpoint/sharded.py)."""
 BEST_RECORD = "best.json"
+
+log = logging.getLogger("vitrain")
 
 
 class CheckpointError(RuntimeError):
@@ -102,6 +106,55 @@ def find_best_checkpoint(run_dir: Path) -> Path | None:
     record = read_best_record(folder)
     path = folder / record["file"] if record else None
     return path if path is not None and path.is_file() else None
+
+
+def find_last_checkpoint(run_dir: Path) -> Path:
+    """``last``: the newest complete checkpoint of the run folder; CheckpointError when it holds none."""
+    latest = find_latest_checkpoint(run_dir)
+    if latest is None:
+        raise CheckpointError(
+            f"run folder {run_dir} holds no complete checkpoint (checkpoints/step-*); train it first, or give "
+            "the run folder that holds the checkpoints"
+        )
+    return latest
+
+
+def find_named_best_checkpoint(run_dir: Path) -> Path:
+    """``best``: the checkpoint with the best recorded eval top-1; CheckpointError when none is recorded."""
+    best = find_best_checkpoint(run_dir)
+    if best is None:
+        find_last_checkpoint(run_dir)  # no checkpoint at all: say that first
+        raise CheckpointError(
+            f"run folder {run_dir} records no best checkpoint (checkpoints/{BEST_RECORD} is written when a "
+            "checkpoint of an evaluated step is saved as a single file); use last instead"
+        )
+    return best
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    """A sharded checkpoint (``step-N`` or a copy holding DCP's ``.metadata``), not a run folder."""
+    return CHECKPOINT_PATTERN.match(path.name) is not None or (path / ".metadata").is_file()
+
+
+def resolve_checkpoint_argument(path: Path) -> Path:
+    """What ``eval`` and ``export`` read: a checkpoint (``step-N.pt`` file or sharded ``step-N`` folder) as
+    given; for a run folder (or its ``checkpoints`` folder), its best checkpoint by eval top-1, or its
+    newest, with a warning, when no best is recorded. A folder that is neither is a CheckpointError."""
+    path = Path(path)
+    if not path.is_dir() or _is_checkpoint_folder(path):
+        return path
+    run_dir = path.parent if path.name == "checkpoints" else path
+    if not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(
+            f"{path} is neither a checkpoint nor a run folder (it has no checkpoints/ folder); give a run "
+            "folder, a step-*.pt file or a sharded step-* folder"
+        )
+    best = find_best_checkpoint(run_dir)
+    if best is not None:
+        return best
+    latest = find_last_checkpoint(run_dir)
+    log.warning("%s records no best checkpoint (no evaluated save); using its newest, %s", run_dir, latest.name)
+    return latest
 
 
 def _unpickling_reason(error: pickle.UnpicklingError) -> str:

@@ -20,7 +20,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from vitrain.checkpoint.manager import CheckpointError, CheckpointManager, find_latest_checkpoint, load_checkpoint
+from vitrain.checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    find_last_checkpoint,
+    find_latest_checkpoint,
+    find_named_best_checkpoint,
+    load_checkpoint,
+)
 from vitrain.checkpoint.rng import capture_rng_state, restore_rank_rng_state
 from vitrain.checkpoint.sharded import (
     EXTRAS_FILE,
@@ -41,6 +48,8 @@ from vitrain.parallel.distributed import barrier, gather_objects
 log = logging.getLogger("vitrain")
 
 CHECKPOINT_FORMAT = "vitrain-checkpoint-v1"
+RESUME_NAMES = ("auto", "last", "best")
+"""``--resume`` values that name a checkpoint of the run folder rather than give its path."""
 
 
 class LoopState(Protocol):
@@ -187,13 +196,35 @@ class RunCheckpoints:
 
 def find_resume_checkpoint(resume: str | None, out_dir: Path, sibling_runs: str | None) -> Path | None:
     """``auto``: the newest complete checkpoint of the run folder ``out_dir`` (or, with ``sibling_runs``,
-    a glob of this recipe's run folders, of the newest among them); otherwise a path."""
+    a glob of this recipe's run folders, of the newest among them), None when there is none; ``last``:
+    the same, a CheckpointError when there is none; ``best``: the checkpoint with the best eval top-1 of
+    that run folder; otherwise a path."""
     if resume is None:
         return None
-    if resume != "auto":
+    if resume not in RESUME_NAMES:
         if not Path(resume).is_file():
-            raise CheckpointError(f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto")
+            raise CheckpointError(
+                f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto|last|best"
+            )
         return Path(resume)
+    latest = _newest_checkpoint(out_dir, sibling_runs)
+    if resume == "auto":
+        return latest
+    run_dir = latest.parent.parent if latest is not None else Path(out_dir)
+    if resume == "last":
+        return find_last_checkpoint(run_dir)
+    best = find_named_best_checkpoint(run_dir)
+    if latest is not None and best != latest:
+        log.warning(
+            "--resume best: continuing from %s, not the newer %s (newer checkpoints are replaced as the run reaches "
+            "their steps)",
+            best.name,
+            latest.name,
+        )
+    return best
+
+
+def _newest_checkpoint(out_dir: Path, sibling_runs: str | None) -> Path | None:
     if sibling_runs is None:
         return find_latest_checkpoint(out_dir)
     pattern = Path(sibling_runs)
