@@ -43,6 +43,11 @@ def test_world_from_srun_task_variables(procid, localid):
     assert world.is_main == (procid == 0)
 
 
+def test_world_size_falls_back_to_slurm_ntasks():
+    env = {key: value for key, value in _srun_task(2, 2, ntasks=4).items() if key != "SLURM_STEP_NUM_TASKS"}
+    assert World.from_env(env).size == 4
+
+
 def test_torchrun_variables_take_precedence_over_slurm_s():
     """srun + torchrun: the task's Slurm variables say one task per node; torchrun's say which worker."""
     env = _srun_task(1, 0, ntasks=2, RANK="6", WORLD_SIZE="16", LOCAL_RANK="6")
