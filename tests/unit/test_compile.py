@@ -15,7 +15,7 @@ from torch._dynamo import register_backend
 from tests.conftest import make_config
 from vitrain.checkpoint import load_checkpoint
 from vitrain.checkpoint.rng import capture_rng_state
-from vitrain.metrics import read_jsonl
+from vitrain.metrics import NullWriter, read_jsonl
 from vitrain.train import make_plan, train
 from vitrain.train.build import build_run, forward_shapes, warm_up_compiled_shapes
 from vitrain.train.loop import Trainer
@@ -54,7 +54,7 @@ def test_every_shape_compiles_before_the_clock_and_warm_up_changes_nothing(compi
     assert all(param.grad is None for param in run.model.parameters())
     compiled_before = sum(COMPILED.values())
     assert compiled_before >= 5  # 4 training shapes and the eval shape (a graph per shape at least)
-    Trainer(run, _NoMetrics()).train()
+    Trainer(run, NullWriter()).train()
     assert sum(COMPILED.values()) == compiled_before  # nothing compiled while the clock ran
 
 
@@ -79,11 +79,3 @@ def test_compiled_training_equals_eager(compile_overrides, tmp_path):
         assert torch.allclose(ours[key], reference[key], rtol=1e-4, atol=1e-6), key
     events = [record for record in read_jsonl(compiled.out_dir / "metrics.jsonl") if record["event"] == "compile"]
     assert len(events) == 1 and events[0]["shapes"] == [[6, 14], [4, 14], [6, 28], [4, 28]]
-
-
-class _NoMetrics:
-    def write(self, record):
-        pass
-
-    def close(self):
-        pass

@@ -10,7 +10,8 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
   (its :class:`MixPlan` -> the batch mixer);
 - :class:`StepPlan` (its :class:`DistillPlan` -> the teacher and the distillation loss; its
   :class:`TokenLabelPlan` -> the label maps, the token-labeling loss and MixToken), :class:`RuntimePlan`, :class:`LoopPlan`, :class:`CheckpointPlan` -> the step, the
-  process and model conversions, the loop, the checkpoints; :class:`EmaPlan` -> the weight EMA.
+  process and model conversions, the loop, the checkpoints; :class:`EmaPlan` -> the weight EMA;
+  :class:`LogPlan` -> the metric sinks.
 """
 
 from __future__ import annotations
@@ -355,6 +356,26 @@ class CheckpointPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogPlan:
+    """Where the run's metrics go besides metrics.jsonl (``log.*``): what ``vitrain.metrics.sinks`` needs.
+    Paths inside the run folder are left to it, since a resumed run takes the folder of its checkpoint."""
+
+    sinks: tuple[Literal["tensorboard", "mlflow", "wandb", "csv"], ...] = ()
+    """The sinks besides metrics.jsonl, each once, in the order given."""
+    mlflow_tracking_uri: str | None = None
+    """None: the local file store <run folder>/mlruns."""
+    mlflow_experiment: str = "vitrain"
+    wandb_project: str = "vitrain"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    run_name: str | None = None
+    """None: the run folder's name."""
+
+    def name_of(self, out_dir: Path) -> str:
+        """The run's name in the tracking tools."""
+        return self.run_name or out_dir.name
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved run: its parts and the config it came from. Immutable."""
 
@@ -378,3 +399,5 @@ class Plan:
     checkpoint: CheckpointPlan
     ema: EmaPlan = EmaPlan()
     """The weight EMA (off by default)."""
+    log: LogPlan = LogPlan()
+    """The metric sinks besides metrics.jsonl (none by default)."""

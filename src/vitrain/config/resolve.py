@@ -8,6 +8,7 @@ the facts (data, hardware, processes) and calls it."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -535,6 +536,32 @@ def _checkpoint_plan(config: Config, checkpoint_format: str) -> parts.Checkpoint
     )
 
 
+SINK_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""The package each metric sink imports; its extra of vitrain has the sink's name."""
+
+
+def _log_plan(config: Config) -> parts.LogPlan:
+    """The sinks besides metrics.jsonl, each once; a sink whose package is not installed is refused here,
+    found without importing it (the tracking clients take seconds to import)."""
+    log = config.log
+    sinks = tuple(dict.fromkeys(sink for sink in log.sinks if sink != "jsonl"))
+    for sink in sinks:
+        package = SINK_PACKAGES.get(sink)
+        _require(
+            package is None or importlib.util.find_spec(package) is not None,
+            f"log.sinks: {sink} needs the {package} package, which is not installed; "
+            f"pip install 'vitrain[{sink}]', or remove {sink} from log.sinks",
+        )
+    return parts.LogPlan(
+        sinks=sinks,
+        mlflow_tracking_uri=log.mlflow_tracking_uri,
+        mlflow_experiment=log.mlflow_experiment,
+        wandb_project=log.wandb_project,
+        wandb_mode=log.wandb_mode,
+        run_name=log.run_name,
+    )
+
+
 def _mix_plan(
     config: Config, num_classes: int, stages: tuple[Stage, ...], batch: parts.BatchPlan
 ) -> parts.MixPlan | None:
@@ -847,4 +874,5 @@ def resolve(
         loop=loop,
         checkpoint=_checkpoint_plan(config, checkpoint_format),
         ema=_ema_plan(config, schedule.total_steps),
+        log=_log_plan(config),
     )

@@ -397,6 +397,27 @@ class CheckpointConfig(Section):
     """Keep this many newest checkpoints, and also the one with the best eval top-1 (checkpoints/best.json)."""
 
 
+class LogConfig(Section):
+    """Where a run's metrics go: metrics.jsonl always, and the tools listed in log.sinks (docs/monitoring.md)."""
+
+    sinks: list[Literal["jsonl", "tensorboard", "mlflow", "wandb", "csv"]] = ["jsonl"]
+    """Metric sinks: tensorboard (event files in the run folder's tb/), mlflow, wandb, csv (metrics-<event>.csv
+    in the run folder, one table per record kind); metrics.jsonl is always written, listed or not. Each tool
+    comes with its extra: pip install 'vitrain[tensorboard]', 'vitrain[mlflow]', 'vitrain[wandb]'."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server or store (http://host:5000, file:/path, sqlite:///mlflow.db); null: the local file
+    store <run folder>/mlruns (browse it with `mlflow ui --backend-store-uri <run folder>/mlruns`)."""
+    mlflow_experiment: str = "vitrain"
+    """MLflow experiment the run is logged under (created when missing)."""
+    wandb_project: str = "vitrain"
+    """Weights & Biases project of the run."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes the run into the run folder's wandb/ only (upload later with `wandb sync`);
+    online: streams it to the W&B server (needs `wandb login` or WANDB_API_KEY)."""
+    run_name: str | None = None
+    """The run's name in MLflow and W&B; null: the run folder's name."""
+
+
 class ParallelConfig(Section):
     strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = "ddp"
     """How several processes (torchrun) share the work. ddp: every process holds the model, gradients are
@@ -437,3 +458,4 @@ class Config(BaseModel):
     curriculum: CurriculumConfig = CurriculumConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
+    log: LogConfig = LogConfig()

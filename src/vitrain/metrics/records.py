@@ -40,6 +40,12 @@ class NullWriter:
     def write(self, record: dict[str, Any]) -> None:
         pass
 
+    def log_config(self, config: dict[str, Any]) -> None:
+        pass
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

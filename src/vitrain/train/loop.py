@@ -21,7 +21,7 @@ from tqdm import tqdm
 from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, load_resume_payload
 from vitrain.config import Plan, Stage
 from vitrain.data.mixing import mixing_generator
-from vitrain.metrics import JsonlWriter, NullWriter
+from vitrain.metrics import MetricsSinks, NullWriter, build_metrics_sinks
 from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.utilization import WindowPeakMemory, achieved_tflops, training_flops, utilization
 from vitrain.models.flops import model_flops
@@ -58,7 +58,7 @@ class Trainer:
     def __init__(
         self,
         run: Run,
-        metrics: JsonlWriter,
+        metrics: MetricsSinks | NullWriter,
         clock: Callable[[], float] = time.perf_counter,
         stop: StopSignals | None = None,
     ):
@@ -408,8 +408,9 @@ class Trainer:
         return self._summary()
 
     def _summary(self, preempted: str | None = None) -> dict[str, Any]:
+        """Write summary.json and hand the summary to the metric sinks."""
         tflops = achieved_tflops(self.session_flops, self.session_train_s)
-        return write_summary(
+        summary = write_summary(
             self.run,
             self.clock() - self.wall_started,
             self.session_images,
@@ -418,6 +419,8 @@ class Trainer:
             preempted,
             {"mean_tflops": tflops, "mean_mfu": self._mfu(tflops), "peak_mem_gib": self.session_peak_mem_gib},
         )
+        self.metrics.log_summary(summary)
+        return summary
 
 
 def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
@@ -431,13 +434,11 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     elif plan.loop.init_from is not None:
         apply_init_from(run, Path(plan.loop.init_from))
     log.info("%s", describe_start(run))
-    if plan.world.is_main:
-        metrics = JsonlWriter(plan.out_dir / "metrics.jsonl", truncate_after_step=run.state.step)
-    else:
-        metrics = NullWriter()
-    if plan.parallel.compile:
-        _warm_up(run, metrics)
+    metrics = build_metrics_sinks(plan.log, plan.out_dir, run.state.step) if plan.world.is_main else NullWriter()
     try:
+        metrics.log_config(plan.config.model_dump(mode="json"))
+        if plan.parallel.compile:
+            _warm_up(run, metrics)
         with StopSignals() as stop:  # SIGTERM/SIGUSR1: finish the step, checkpoint, raise Preempted
             return Trainer(run, metrics, clock, stop).train()
     finally:
@@ -456,7 +457,7 @@ def _resume_point(plan: Plan, resume: str | None) -> tuple[Plan, Path | None, di
     return plan, checkpoint_path, load_resume_payload(checkpoint_path, plan.model.name)
 
 
-def _warm_up(run: Run, metrics: JsonlWriter | NullWriter) -> None:
+def _warm_up(run: Run, metrics: MetricsSinks | NullWriter) -> None:
     """train.compile: every shape compiled before the clock starts."""
     seconds = warm_up_compiled_shapes(run)
     shapes = forward_shapes(run.plan)
