@@ -552,14 +552,7 @@ def _log_plan(config: Config) -> parts.LogPlan:
             f"log.sinks: {sink} needs the {package} package, which is not installed; "
             f"pip install 'vitrain[{sink}]', or remove {sink} from log.sinks",
         )
-    return parts.LogPlan(
-        sinks=sinks,
-        mlflow_tracking_uri=log.mlflow_tracking_uri,
-        mlflow_experiment=log.mlflow_experiment,
-        wandb_project=log.wandb_project,
-        wandb_mode=log.wandb_mode,
-        run_name=log.run_name,
-    )
+    return parts.LogPlan(sinks=sinks, **log.model_dump(exclude={"sinks"}))
 
 
 def _mix_plan(
