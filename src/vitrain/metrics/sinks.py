@@ -53,6 +53,7 @@ def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
 
 
 def _is_number(value: Any) -> bool:
+    """An int or float (a bool is neither here)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -120,6 +121,7 @@ def _stored_run_id(out_dir: Path, tool: str, resume_step: int) -> str | None:
 
 
 def _is_local_file_store(uri: str) -> bool:
+    """A path or ``file:`` URI: MLflow's file store, not a server or database."""
     return uri.startswith("file:") or "://" not in uri
 
 
@@ -227,10 +229,12 @@ class WandbSink:
 
 
 def _csv_cell(value: Any) -> Any:
+    """A record's value as a spreadsheet cell: null empty, lists and dicts as JSON."""
     return "" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
 
 
 def _write_csv(path: Path, fields: list[str], rows: list[dict[str, Any]]) -> None:
+    """Write a whole table, replacing ``path`` at once (a crash leaves the old table or the new one)."""
     text = io.StringIO()
     writer = csv.DictWriter(text, fields, extrasaction="ignore")
     writer.writeheader()
