@@ -22,10 +22,10 @@ DISK_WARN_BYTES, DISK_FAIL_BYTES = 10 * GIB, 1 * GIB
 # import name -> (distribution, what vitrain does with it, or None when vitrain does not use it)
 OPTIONAL_PACKAGES = {
     "timm": ("timm", "bench --compare-timm and weight conversion from/to timm"),
-    "matplotlib": ("matplotlib", "the plots of bench --ladder/--nproc"),
-    "tensorboard": ("tensorboard", None),
-    "mlflow": ("mlflow", None),
-    "wandb": ("wandb", None),
+    "matplotlib": ("matplotlib", "vitrain plot and the plots of bench --ladder/--nproc"),
+    "tensorboard": ("tensorboard", "log.sinks=[tensorboard]"),
+    "mlflow": ("mlflow-skinny", "log.sinks=[mlflow]"),
+    "wandb": ("wandb", "log.sinks=[wandb]"),
     "nvidia.dali": ("nvidia-dali", None),  # distributed as nvidia-dali-cudaXXX
     "webdataset": ("webdataset", None),
     "onnx": ("onnx", None),
