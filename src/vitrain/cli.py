@@ -4,7 +4,8 @@ Exit codes: 0 success; 1 unexpected failure, or training diverged (too many non-
 row); 2 bad input (config, paths, checkpoints: unsafe, unreadable, unwritable or a full disk; more
 undecodable images than data.max_bad_fraction allows); 3 preempted (SIGTERM or SIGUSR1: the step
 finished, a checkpoint was saved; continue with ``--resume auto``); 130 interrupted (Ctrl-C, no
-checkpoint); check-data: 1 when it found bad files; doctor: 1 when a check failed.
+checkpoint); check-data: 1 when it found bad files; doctor: 1 when a check failed; predict: 1 when no
+image could be classified.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* or a run folder")
     export.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
     _add_weights_argument(export)
+    _add_predict_parser(commands)
 
     show = commands.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_arguments(show)
@@ -108,6 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor_parser(commands)
     _add_label_parser(commands)
     return parser
+
+
+def _add_predict_parser(commands) -> None:
+    predict = commands.add_parser(
+        "predict",
+        help="classify image files or folders with a trained checkpoint (top-k classes and probabilities)",
+        description="Example: vitrain predict --checkpoint runs/fmnist/ photos/ --topk 3 --json",
+    )
+    predict.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="image files or folders (recursive)")
+    predict.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="a step-* file or sharded folder, or a run folder (its newest checkpoint)",
+    )
+    predict.add_argument("--topk", type=int, default=5, help="classes shown per image (default 5)")
+    predict.add_argument("--batch", type=int, default=64, help="images per forward pass (default 64)")
+    output = predict.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="one JSON object per image and line")
+    output.add_argument("--csv", action="store_true", help="CSV rows path,rank,class,index,prob")
+    _add_weights_argument(predict)
+    _add_config_arguments(predict, with_recipe=False)
 
 
 def _add_label_parser(commands) -> None:
@@ -346,15 +370,13 @@ def command_finetune(args: argparse.Namespace) -> int:
 def command_eval(args: argparse.Namespace) -> int:
     from vitrain.checkpoint.sharded import read_checkpoint_model
     from vitrain.data import Normalize, build_loaders
+    from vitrain.predict import checkpoint_config
     from vitrain.train import build_model_for
     from vitrain.train.evaluate import evaluate
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     weights, info = read_checkpoint_model(args.checkpoint, args.weights)
-    config = load_config(Config.model_validate(info["config"]), args)
-    config.parallel.strategy = "ddp"  # one process evaluates, whatever sharded the training run
-    _drop_training_signals(config)
-    plan = make_plan(config)
+    plan = make_plan(checkpoint_config(info["config"], args.config, args.overrides))
     model = build_model_for(plan)
     model.load_state_dict(weights)
     _, eval_loader = build_loaders(plan.data)
@@ -362,18 +384,6 @@ def command_eval(args: argparse.Namespace) -> int:
     step = info["state"]["step"]
     print(json.dumps({"checkpoint": str(args.checkpoint), "weights": args.weights, "step": step, **result}))
     return 0
-
-
-def _drop_training_signals(config: Config) -> None:
-    """Evaluation needs neither the distillation teacher nor the token-label maps the run trained with
-    (they may be gone): their keys go back to off."""
-    from vitrain.config.resolve import TOKEN_LABEL_KEYS
-
-    defaults = Config()
-    keys = ("distill", "teacher", "teacher_weights", "teacher_model", *TOKEN_LABEL_KEYS)
-    for key in keys:
-        setattr(config.train, key, getattr(defaults.train, key))
-    config.data.token_labels = None
 
 
 def command_export(args: argparse.Namespace) -> int:
@@ -384,6 +394,32 @@ def command_export(args: argparse.Namespace) -> int:
     result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "out": str(args.out), "tensors": count}
     print(json.dumps(result))
     return 0
+
+
+def command_predict(args: argparse.Namespace) -> int:
+    """Exit 0 when at least one image was classified, 1 when none was (each failure on stderr)."""
+    from vitrain import predict
+
+    if args.topk < 1 or args.batch < 1:
+        raise ConfigError(f"--topk {args.topk} --batch {args.batch}: both must be >= 1")
+    paths = predict.collect_image_paths(args.paths)
+    trained = predict.load_trained_model(args.checkpoint, args.weights, args.config, args.overrides)
+    style = "json" if args.json else "csv" if args.csv else "table"
+    width = max((len(str(path)) for path in paths), default=4)
+    topk = min(args.topk, len(trained.class_names))
+    for line in predict.header_lines(style, trained.class_names, width, topk):
+        print(line)
+    workers = trained.plan.data.source.num_workers
+    classified = 0
+    for prediction in predict.predict_files(trained, paths, args.batch, topk, workers):
+        if prediction.error is not None:
+            print(predict.error_line(prediction), file=sys.stderr)
+        classified += prediction.error is None
+        for line in predict.prediction_lines(prediction, trained.class_names, style, width):
+            print(line)
+    if not classified:
+        print(f"vitrain: no image classified ({len(paths)} file(s) found)", file=sys.stderr)
+    return 0 if classified else 1
 
 
 def command_show_config(args: argparse.Namespace) -> int:
@@ -554,6 +590,7 @@ COMMANDS = {
     "train": command_train,
     "eval": command_eval,
     "export": command_export,
+    "predict": command_predict,
     "show-config": command_show_config,
     "download-fashion-mnist": command_download_fashion_mnist,
     "finetune": command_finetune,

@@ -38,10 +38,11 @@ from vitrain.checkpoint import CheckpointManager, RunCheckpoints
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
-from vitrain.config import ConfigError, Plan, config_to_yaml
+from vitrain.config import ConfigError, DataPlan, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.data.mixing import BatchMixer, build_mixer
+from vitrain.data.sources import image_folder_root, image_folder_samples
 from vitrain.models import build_model, load_pretrained
 from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
@@ -193,6 +194,14 @@ def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
     return all_reduce_(skipped, "max")
 
 
+def _class_names_record(data: DataPlan) -> dict[str, list[str]]:
+    """An image folder's class names in index order, kept in every checkpoint so that ``vitrain predict``
+    names the classes without the data; the built-in sources' names need no record."""
+    if data.source.name != "imagefolder":
+        return {}
+    return {"class_names": image_folder_samples(Path(image_folder_root(data.source)), "train")[1]}
+
+
 def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], ema: ModelEma | None) -> RunCheckpoints:
     """Stage 8: the run folder's checkpoints and what each one saves."""
     return RunCheckpoints(
@@ -212,6 +221,7 @@ def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], 
                 "precision": plan.precision.dtype,
                 "precision_mode": plan.precision.mode,
                 "ema_decay": plan.ema.decay,
+                **_class_names_record(plan.data),
             },
         },
         world=plan.world,
