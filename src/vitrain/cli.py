@@ -84,10 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(evaluate, with_recipe=False)
 
     export = commands.add_parser(
-        "export", help="write a checkpoint's model weights (file or sharded folder) as one safetensors file"
+        "export",
+        help="write a checkpoint's model weights (file or sharded folder) as one safetensors file, or as a timm "
+        "model folder",
     )
     export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* or a run folder")
-    export.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
+    export.add_argument(
+        "--out", required=True, type=Path, help="the .safetensors file to write (--format timm: the folder)"
+    )
+    export.add_argument(
+        "--format",
+        choices=["safetensors", "timm"],
+        default="safetensors",
+        help="safetensors (default): vitrain's weights and saved config in one file; timm: model.safetensors in "
+        "timm's layout and a Hugging Face hub config.json, for timm.create_model",
+    )
     _add_weights_argument(export)
     _add_predict_parser(commands)
 
@@ -387,11 +398,14 @@ def command_eval(args: argparse.Namespace) -> int:
 
 
 def command_export(args: argparse.Namespace) -> int:
-    from vitrain.checkpoint.sharded import export_model
+    from vitrain.checkpoint.sharded import export_model, export_timm
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
-    count = export_model(args.checkpoint, args.out, args.weights)
-    result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "out": str(args.out), "tensors": count}
+    result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "format": args.format, "out": str(args.out)}
+    if args.format == "timm":
+        result.update(export_timm(args.checkpoint, args.out, args.weights))
+    else:
+        result["tensors"] = export_model(args.checkpoint, args.out, args.weights)
     print(json.dumps(result))
     return 0
 

@@ -101,11 +101,11 @@ def checkpoint_config(saved: dict[str, Any], yaml_files: Sequence[Path] = (), ov
 def training_data_info(config: Config, info: dict[str, Any], weights: dict[str, torch.Tensor]) -> DatasetInfo:
     """What resolve() needs to know of the training data, from the checkpoint alone (the data may be gone):
     classes from the weights, channels and normalization from the source, the epoch size from the record."""
-    data = config.data
-    if data.name == "synthetic":
-        return describe_source(data)  # generated from the config: nothing to read
-    recorded = info.get("plan", {})
-    num_train = recorded.get("steps_per_epoch", 1) * recorded.get("global_batch", config.train.batch_size)
+    data, recorded = config.data, info.get("plan", {})
+    # resolve checks the training batch against the epoch: the one trained, at least one batch
+    num_train = max(recorded.get("steps_per_epoch", 1) * recorded.get("global_batch", 1), config.train.batch_size)
+    if data.name == "synthetic":  # generated from the config: nothing to read
+        return dataclasses.replace(describe_source(data), num_train=num_train)
     num_classes = inferred_model_args(weights, config.model.name).get("num_classes")
     if num_classes is None:
         raise CheckpointError(f"the checkpoint's {config.model.name} weights have no classifier to predict with")

@@ -223,3 +223,22 @@ def test_a_checkpoint_that_cannot_be_read_exits_2(images, tmp_path, capsys):
     (tmp_path / "empty_run").mkdir()
     code, _, err = _predict(capsys, tmp_path / "empty_run", str(images))
     assert code == 2 and "no complete checkpoint" in err
+
+
+def test_a_sharded_synthetic_checkpoint_names_classes_class_n(tmp_path, capsys):
+    run = _train(
+        tmp_path / "run",
+        "data.name=synthetic",
+        "data.synthetic_num_train=64",
+        "checkpoint.format=sharded",
+        "train.epochs=1",
+    )
+    capsys.readouterr()
+    checkpoint = find_checkpoint(run)
+    assert checkpoint.is_dir() and checkpoint.name.startswith("step-")
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(picture)
+    code, out, _ = _predict(capsys, checkpoint, str(picture), "--json", "--topk", "10")
+    assert code == 0
+    top = json.loads(out)["top"]
+    assert len(top) == 10 and all(entry["class"] == f"class_{entry['index']}" for entry in top)

@@ -331,11 +331,49 @@ def export_model(checkpoint: Path, out: Path, weights: str = "live") -> int:
     return len(tensors)
 
 
+TIMM_WEIGHTS_FILE, TIMM_CONFIG_FILE = "model.safetensors", "config.json"
+
+
+def export_timm(checkpoint: Path, out: Path, weights: str = "live") -> dict[str, Any]:
+    """Write a checkpoint's model (either format; ``weights``: ``live`` or ``ema``) as a timm model folder
+    ``out``: ``model.safetensors`` in timm's layout and a Hugging Face hub ``config.json`` (architecture,
+    model arguments, input size, normalization, crop, class names), so that
+    ``timm.create_model("local-dir:OUT")`` builds and loads it. ConfigError for a model timm has no
+    equivalent of. Returns the timm architecture and the number of tensors."""
+    from safetensors.torch import save_file
+
+    from vitrain.config import ConfigError
+    from vitrain.models import build_model
+    from vitrain.models.convert import timm_hub_config, to_timm
+    from vitrain.predict import checkpoint_config, checkpoint_plan, known_class_names
+
+    tensors, info = read_checkpoint_model(checkpoint, weights)
+    config = checkpoint_config(info.get("config", {}), overrides=["train.device=cpu", "precision=fp32"])
+    plan = checkpoint_plan(config, info, tensors)
+    model = build_model(plan.model.name, **plan.model.arguments)
+    model.load_state_dict(tensors)
+    names = known_class_names(config.data, info, plan.model.num_classes)
+    try:
+        hub_config = timm_hub_config(plan.model.name, model, plan.data.mean, plan.data.std, config.data.crop_pct, names)
+    except ValueError as error:
+        raise ConfigError(f"--format timm: {error}; export vitrain's own format with --format safetensors") from None
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        timm_tensors = {key: value.contiguous() for key, value in to_timm(model).items()}
+        save_file(timm_tensors, str(out / TIMM_WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / TIMM_CONFIG_FILE).write_text(json.dumps(hub_config, indent=2) + "\n")
+    except OSError as error:
+        raise CheckpointError(f"cannot write {out}: {error.strerror or error}; choose a writable folder") from None
+    return {"architecture": hub_config["architecture"], "tensors": len(timm_tensors)}
+
+
 __all__ = [
     "COMPLETE_MARKER",
     "SafeFileSystemReader",
     "WEIGHTS_KEYS",
     "export_model",
+    "export_timm",
     "full_state",
     "is_complete",
     "is_sharded_checkpoint",

@@ -6,7 +6,7 @@ variants plus a check; families timm lacks (locality ViT, LocalViT) are refused 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,3 +116,79 @@ def to_timm(model: nn.Module) -> dict[str, torch.Tensor]:
             "(export it without timm, or train with model.aux_head=false)"
         )
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+TIMM_ARCHITECTURE_OPTIONS = ("patch_size", "num_heads", "mlp_ratio", "use_aux_head")
+"""Architecture arguments that timm's models take under the same name: passed on when they differ from
+the variant's."""
+
+
+def timm_model_args(name: str, model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments of ``timm.create_model(timm_name(name), ...)`` for the timm model equal to our
+    ``model`` (variant ``name``): classes, channels, input size, head, and the architecture options set
+    apart from the variant's; ValueError naming why when timm has no such model."""
+    architecture = timm_name(name)
+    args, variant = model.args, model_spec(name).args
+    if getattr(args, "distill_token", False) != getattr(variant, "distill_token", False):
+        raise ValueError(
+            f"{name} with model.distill_token={args.distill_token} has no timm equivalent ({architecture} "
+            f"{'has' if variant.distill_token else 'has no'} distillation token)"
+        )
+    kwargs: dict[str, Any] = {"num_classes": args.num_classes, "in_chans": args.in_chans}
+    if hasattr(model, "pos_embed"):  # ViTs and VOLO fix their input size; a ResNet takes any
+        kwargs["img_size"] = args.img_size
+    if getattr(args, "head", "cls") == "gap":
+        kwargs.update(global_pool="avg", class_token=False)
+    for option in TIMM_ARCHITECTURE_OPTIONS:
+        if hasattr(args, option) and getattr(args, option) != getattr(variant, option):
+            value = getattr(args, option)
+            kwargs[option] = list(value) if isinstance(value, tuple) else value
+    return kwargs
+
+
+def timm_hub_config(
+    name: str,
+    model: nn.Module,
+    mean: Sequence[float],
+    std: Sequence[float],
+    crop_pct: float,
+    label_names: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` of a timm model folder (Hugging Face hub layout; ``timm.create_model("local-dir:
+    FOLDER")`` reads it) for our ``model`` (variant ``name``) with its weights from :func:`to_timm`, evaluated
+    with ``mean``/``std`` normalization and a ``crop_pct`` bilinear resize and centre crop. Checks that the
+    timm model has exactly the tensors ``to_timm`` gives; ValueError naming why not."""
+    import timm
+
+    weights = to_timm(model)
+    kwargs = timm_model_args(name, model)
+    with torch.device("meta"):
+        theirs = timm.create_model(timm_name(name), pretrained=False, **kwargs)
+    expected = {key: tuple(value.shape) for key, value in theirs.state_dict().items()}
+    if expected != {key: tuple(value.shape) for key, value in weights.items()}:
+        different = sorted(set(expected.items()) ^ {(key, tuple(value.shape)) for key, value in weights.items()})
+        raise ValueError(f"timm's {timm_name(name)} does not hold these weights (differences: {different[:4]})")
+    pretrained_cfg = {
+        key: value
+        for key, value in theirs.pretrained_cfg.items()
+        if key in ("classifier", "first_conv", "fixed_input_size")
+    }
+    side = kwargs.get("img_size", model.args.img_size)
+    pretrained_cfg.update(
+        input_size=[model.args.in_chans, side, side],
+        interpolation="bilinear",
+        crop_pct=crop_pct,
+        crop_mode="center",
+        mean=list(mean),
+        std=list(std),
+        num_classes=model.args.num_classes,
+        custom_load=False,
+    )
+    config = {"architecture": timm_name(name), "num_classes": model.args.num_classes}
+    config["num_features"] = theirs.num_features
+    pool = getattr(theirs, "global_pool", None)  # a ResNet's is a pooling module, not a name
+    if isinstance(pool, str) and pool:
+        config["global_pool"] = pool
+    if label_names is not None:
+        config["label_names"] = list(label_names)
+    return {**config, "model_args": kwargs, "pretrained_cfg": pretrained_cfg}
