@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_config
+from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
 from vitrain.checkpoint import find_latest_checkpoint
 from vitrain.checkpoint.sharded import read_checkpoint_model
 from vitrain.cli import main
@@ -17,15 +17,7 @@ from vitrain.models import build_model, model_spec
 
 timm = pytest.importorskip("timm", reason="timm is a test dependency for parity checks ([dev] extra)")
 
-SYNTHETIC = [
-    "precision=fp32",
-    "data.name=synthetic",
-    "data.image_size=32",
-    "data.synthetic_num_train=16",
-    "data.synthetic_num_eval=8",
-    "data.synthetic_num_classes=4",
-    "train.progress=off",
-]
+SYNTHETIC = [*SMALL_SYNTHETIC_RUN, "data.image_size=32", "data.synthetic_num_classes=4"]
 
 
 @pytest.fixture(scope="module")
