@@ -34,6 +34,7 @@ TINY_RUN = [
     "train.progress=off",
     "optim.lr=0.5",
     "train.batch_size=32",
+    "train.epochs=1",
 ]
 
 
@@ -51,7 +52,7 @@ def folder_run(tmp_path_factory, tiny_imagefolder) -> Path:
     """A one-epoch image-folder run (classes n01, n02, n03) with a weight EMA."""
     out_dir = tmp_path_factory.mktemp("predict") / "run"
     extra = ("data.name=imagefolder", f"data.root={tiny_imagefolder}", "train.batch_size=6", "train.ema_decay=0.5")
-    return _train(out_dir, *extra, "train.epochs=1")
+    return _train(out_dir, *extra)
 
 
 GOOD_COPIES = 4  # val images copied into the folder to classify
@@ -120,7 +121,12 @@ def _reference(run: Path, paths: list[Path], weights: str = "live") -> torch.Ten
     side = draft_size(config.data, 14, train=False)
     pictures = [decode_image(path, side).image for path in paths]
     batch = torch.stack([transform(picture.convert("L") if grayscale else picture) for picture in pictures])
-    mean, std = (FASHION_MNIST_MEAN, FASHION_MNIST_STD) if grayscale else (IMAGENET_MEAN, IMAGENET_STD)
+    normalization = {
+        "fashion-mnist": (FASHION_MNIST_MEAN, FASHION_MNIST_STD),
+        "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+        "synthetic": ((0.5,) * 3, (0.25,) * 3),  # the synthetic source's
+    }
+    mean, std = normalization[config.data.name]
     with torch.no_grad():
         return model.eval()(Normalize(mean, std, "cpu")(batch)).softmax(dim=1)
 
@@ -180,7 +186,7 @@ def test_predict_needs_no_training_data_and_takes_a_checkpoint_file(folder_run, 
 
 
 def test_a_one_channel_fashion_mnist_model_names_its_classes(tiny_fmnist, tmp_path, capsys):
-    run = _train(tmp_path / "fmnist", f"data.root={tiny_fmnist}", "data.limit_train=64", "train.epochs=1")
+    run = _train(tmp_path / "fmnist", f"data.root={tiny_fmnist}", "data.limit_train=64")
     capsys.readouterr()  # the training summary
     picture = tmp_path / "shirt.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(picture)
@@ -231,7 +237,6 @@ def test_a_sharded_synthetic_checkpoint_names_classes_class_n(tmp_path, capsys):
         "data.name=synthetic",
         "data.synthetic_num_train=64",
         "checkpoint.format=sharded",
-        "train.epochs=1",
     )
     capsys.readouterr()
     checkpoint = find_checkpoint(run)
@@ -242,3 +247,16 @@ def test_a_sharded_synthetic_checkpoint_names_classes_class_n(tmp_path, capsys):
     assert code == 0
     top = json.loads(out)["top"]
     assert len(top) == 10 and all(entry["class"] == f"class_{entry['index']}" for entry in top)
+
+
+def test_a_model_with_a_token_labeling_head_predicts_with_it(tmp_path, capsys):
+    run = _train(tmp_path / "run", "data.name=synthetic", "data.synthetic_num_train=64", "model.aux_head=true")
+    capsys.readouterr()
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(2).integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(picture)
+    code, out, _ = _predict(capsys, run, str(picture), "--json", "--topk", "10")
+    assert code == 0
+    state, _ = read_checkpoint_model(find_latest_checkpoint(run))
+    assert "aux_head.weight" in state
+    ours = torch.tensor([entry["prob"] for entry in sorted(json.loads(out)["top"], key=lambda entry: entry["index"])])
+    assert torch.allclose(ours, _reference(run, [picture])[0], atol=1e-5)  # the forward: class + 0.5 x aux max
