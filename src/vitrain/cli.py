@@ -134,7 +134,7 @@ def _add_predict_parser(commands) -> None:
         "--checkpoint",
         required=True,
         type=Path,
-        help="a step-* file or sharded folder, or a run folder (its newest checkpoint)",
+        help="a step-* file or sharded folder, or a run folder (its best checkpoint, else its newest)",
     )
     predict.add_argument("--topk", type=int, default=5, help="classes shown per image (default 5)")
     predict.add_argument("--batch", type=int, default=64, help="images per forward pass (default 64)")

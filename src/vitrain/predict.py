@@ -28,9 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from vitrain.checkpoint import CheckpointError
-from vitrain.checkpoint.manager import list_checkpoints
-from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
+from vitrain.checkpoint import CheckpointError, resolve_checkpoint_argument
+from vitrain.checkpoint.sharded import read_checkpoint_model
 from vitrain.config import Config, ConfigError, DataConfig, DatasetInfo, Hardware, Plan, build_config, resolve
 from vitrain.data import Normalize, describe_source
 from vitrain.data.loader import ImageFileDataset, collate_decoded, draft_size
@@ -66,21 +65,6 @@ OutputStyle = Literal["table", "json", "csv"]
 
 
 # --- the checkpoint ------------------------------------------------------------------------------
-
-
-def find_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: a ``step-N.pt`` file or sharded ``step-N/`` folder as it is; a run
-    folder (or its ``checkpoints/`` folder) gives its newest complete checkpoint."""
-    path = Path(path)
-    if not path.is_dir() or (path / COMPLETE_MARKER).exists() or (path / ".metadata").exists():
-        return path
-    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-    if not found:
-        raise CheckpointError(
-            f"{path} holds no complete checkpoint (checkpoints/step-*); give a run folder that has one, "
-            "or a step-*.pt file or sharded step-* folder"
-        )
-    return found[-1][1]
 
 
 def checkpoint_config(saved: dict[str, Any], yaml_files: Sequence[Path] = (), overrides: Sequence[str] = ()) -> Config:
@@ -162,11 +146,12 @@ class TrainedModel:
 def load_trained_model(
     checkpoint: Path, weights: str = "live", yaml_files: Sequence[Path] = (), overrides: Sequence[str] = ()
 ) -> TrainedModel:
-    """The model of ``checkpoint`` (file, sharded folder or run folder; ``weights``: live or ema) built as
-    its saved config says (``yaml_files`` and ``overrides`` applied), ready to classify."""
+    """The model of ``checkpoint`` (file, sharded folder, or run folder: its best checkpoint, else its newest;
+    ``weights``: live or ema) built as its saved config says (``yaml_files`` and ``overrides`` applied), ready
+    to classify."""
     from vitrain.train import build_model_for
 
-    state, info = read_checkpoint_model(find_checkpoint(checkpoint), weights)
+    state, info = read_checkpoint_model(resolve_checkpoint_argument(checkpoint), weights)
     config = checkpoint_config(info.get("config", {}), yaml_files, overrides)
     plan = checkpoint_plan(config, info, state)
     model = build_model_for(plan)
@@ -324,7 +309,6 @@ __all__ = [
     "classify",
     "collect_image_paths",
     "error_line",
-    "find_checkpoint",
     "header_lines",
     "load_trained_model",
     "predict_files",

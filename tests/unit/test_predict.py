@@ -24,7 +24,7 @@ from vitrain.data.loader import draft_size
 from vitrain.data.sources import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD
 from vitrain.data.transforms import build_eval_transform
 from vitrain.models import build_model, model_spec
-from vitrain.predict import FASHION_MNIST_CLASSES, collect_image_paths, find_checkpoint, known_class_names
+from vitrain.predict import FASHION_MNIST_CLASSES, collect_image_paths, known_class_names
 
 TINY_RUN = [
     "precision=fp32",
@@ -178,8 +178,7 @@ def test_class_names_come_from_the_record_else_the_data_else_class_n(folder_run,
 
 
 def test_predict_needs_no_training_data_and_takes_a_checkpoint_file(folder_run, images, tmp_path, capsys):
-    checkpoint = find_checkpoint(folder_run)
-    assert checkpoint == find_latest_checkpoint(folder_run) and find_checkpoint(checkpoint) == checkpoint
+    checkpoint = find_latest_checkpoint(folder_run)
     moved = tmp_path / "moved"
     code, out, _ = _predict(capsys, checkpoint, str(images / "plain0.JPEG"), "--json", "--set", f"data.root={moved}")
     assert code == 0 and json.loads(out)["top"][0]["class"] in ("n01", "n02", "n03")
@@ -226,9 +225,11 @@ def test_a_checkpoint_that_cannot_be_read_exits_2(images, tmp_path, capsys):
     (tmp_path / "step-000000001.pt").write_text("not a checkpoint")
     code, _, err = _predict(capsys, tmp_path / "step-000000001.pt", str(images))
     assert code == 2 and "step-000000001.pt" in err and "vitrain: error: checkpoint" in err
-    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
     code, _, err = _predict(capsys, tmp_path / "empty_run", str(images))
     assert code == 2 and "no complete checkpoint" in err
+    code, _, err = _predict(capsys, images, str(images))
+    assert code == 2 and "neither a checkpoint nor a run folder" in err
 
 
 def test_a_sharded_synthetic_checkpoint_names_classes_class_n(tmp_path, capsys):
@@ -239,7 +240,7 @@ def test_a_sharded_synthetic_checkpoint_names_classes_class_n(tmp_path, capsys):
         "checkpoint.format=sharded",
     )
     capsys.readouterr()
-    checkpoint = find_checkpoint(run)
+    checkpoint = find_latest_checkpoint(run)
     assert checkpoint.is_dir() and checkpoint.name.startswith("step-")
     picture = tmp_path / "picture.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(picture)
