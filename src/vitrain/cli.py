@@ -73,6 +73,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_arguments(finetune, with_recipe=False)
 
+    _add_checkpoint_parsers(commands)
+    _add_predict_parser(commands)
+
+    show = commands.add_parser("show-config", help="print the resolved config as YAML")
+    _add_config_arguments(show)
+
+    download = commands.add_parser("download-fashion-mnist", help="fetch the Fashion-MNIST IDX files (needs internet)")
+    download.add_argument("--root", type=Path, required=True, help="folder to write the four *-ubyte.gz files to")
+    download.add_argument("--url", default=None, help="base URL of the files (default: the dataset's public mirror)")
+
+    commands.add_parser("list-recipes", help="named recipes and what they do")
+    list_models_parser = commands.add_parser("list-models", help="registered models with their parameter counts")
+    list_models_parser.add_argument(
+        "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
+    )
+    _add_bench_parser(commands)
+    _add_slurm_parser(commands)
+    _add_plot_parser(commands)
+    _add_check_data_parser(commands)
+    _add_doctor_parser(commands)
+    _add_label_parser(commands)
+    return parser
+
+
+def _add_checkpoint_parsers(commands) -> None:
+    """``eval`` and ``export``: the commands that read a trained checkpoint (``predict`` has its own)."""
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its configured data")
     evaluate.add_argument(
         "--checkpoint",
@@ -100,27 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
         "timm's layout and a Hugging Face hub config.json, for timm.create_model",
     )
     _add_weights_argument(export)
-    _add_predict_parser(commands)
-
-    show = commands.add_parser("show-config", help="print the resolved config as YAML")
-    _add_config_arguments(show)
-
-    download = commands.add_parser("download-fashion-mnist", help="fetch the Fashion-MNIST IDX files (needs internet)")
-    download.add_argument("--root", type=Path, required=True, help="folder to write the four *-ubyte.gz files to")
-    download.add_argument("--url", default=None, help="base URL of the files (default: the dataset's public mirror)")
-
-    commands.add_parser("list-recipes", help="named recipes and what they do")
-    list_models_parser = commands.add_parser("list-models", help="registered models with their parameter counts")
-    list_models_parser.add_argument(
-        "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
-    )
-    _add_bench_parser(commands)
-    _add_slurm_parser(commands)
-    _add_plot_parser(commands)
-    _add_check_data_parser(commands)
-    _add_doctor_parser(commands)
-    _add_label_parser(commands)
-    return parser
 
 
 def _add_predict_parser(commands) -> None:
