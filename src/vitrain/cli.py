@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_arguments(show)
+    show.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="processes of the run, for the per-process batch in the closing comment (default: torchrun's or "
+        "srun's WORLD_SIZE here, else 1)",
+    )
 
     download = commands.add_parser("download-fashion-mnist", help="fetch the Fashion-MNIST IDX files (needs internet)")
     download.add_argument("--root", type=Path, required=True, help="folder to write the four *-ubyte.gz files to")
@@ -442,8 +449,27 @@ def command_predict(args: argparse.Namespace) -> int:
 
 
 def command_show_config(args: argparse.Namespace) -> int:
-    print(config_to_yaml(load_config(get_recipe(args.recipe), args)), end="")
+    config = load_config(get_recipe(args.recipe), args)
+    print(config_to_yaml(config), end="")
+    print(batch_comment(config, args.processes or World.from_env().size))
     return 0
+
+
+def batch_comment(config: Config, processes: int) -> str:
+    """A YAML comment: train.batch_size is global; what each process (each data slice, under tensor
+    parallelism) takes of it, and its micro-batches (timm's --batch-size is per device)."""
+    if processes < 1:
+        raise ConfigError(f"--processes {processes}: must be at least 1")
+    tp = config.parallel.tp_size or (processes if config.parallel.strategy == "tp" else 1)
+    slices = max(processes // tp, 1)
+    batch = config.train.batch_size
+    share = f"{batch // slices}" if batch % slices == 0 else f"{batch / slices:g} (not a whole number: resolve refuses it)"
+    micro = config.train.micro_batch_size
+    accumulation = f", in micro-batches of {micro}" if micro else ""
+    return (
+        f"# train.batch_size {batch} is the global batch: {share} per process over {processes} process(es)"
+        f"{f' ({slices} data slices of {tp} tensor-parallel processes)' if tp > 1 else ''}{accumulation}"
+    )
 
 
 def command_download_fashion_mnist(args: argparse.Namespace) -> int:

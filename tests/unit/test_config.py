@@ -388,3 +388,26 @@ def test_checkpoint_cadence_and_skip_limit_reach_the_plan():
     defaults = resolve(make_config(), DATA, CPU_ONLY)
     assert (defaults.checkpoint.every_steps, defaults.checkpoint.every_s) == (0, 0.0)
     assert defaults.loop.max_skipped_steps == 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "expected"),
+    [
+        (["--processes", "8"], {}, "256 is the global batch: 32 per process over 8 process(es)"),
+        ([], {"WORLD_SIZE": "2", "RANK": "0"}, "256 is the global batch: 128 per process over 2 process(es)"),
+        (
+            ["--processes", "4", "--set", "parallel.strategy=fsdp+tp", "--set", "parallel.tp_size=2"],
+            {},
+            "128 per process over 4 process(es) (2 data slices of 2 tensor-parallel processes)",
+        ),
+        (["--processes", "3"], {}, "not a whole number: resolve refuses it"),
+    ],
+)
+def test_show_config_ends_with_the_per_process_batch(capsys, monkeypatch, argv, environment, expected):
+    """train.batch_size is global (timm's --batch-size is per device): show-config says each process's share."""
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    assert main(["show-config", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("# ") and expected in out.splitlines()[-1]
+    assert yaml.safe_load(out)["train"]["batch_size"] == 256  # still YAML
