@@ -463,7 +463,9 @@ def batch_comment(config: Config, processes: int) -> str:
     tp = config.parallel.tp_size or (processes if config.parallel.strategy == "tp" else 1)
     slices = max(processes // tp, 1)
     batch = config.train.batch_size
-    share = f"{batch // slices}" if batch % slices == 0 else f"{batch / slices:g} (not a whole number: resolve refuses it)"
+    share = (
+        f"{batch // slices}" if batch % slices == 0 else f"{batch / slices:g} (not a whole number: resolve refuses it)"
+    )
     micro = config.train.micro_batch_size
     accumulation = f", in micro-batches of {micro}" if micro else ""
     return (
