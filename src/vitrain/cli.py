@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune", help="train from a checkpoint's weights at another resolution and/or class count"
     )
     finetune.add_argument(
-        "--from", dest="init_from", required=True, type=Path, help="a checkpoint (file or sharded folder) to start from"
+        "--from",
+        dest="init_from",
+        required=True,
+        help="the weights to start from: a checkpoint (file or sharded folder), a run folder (its best), a "
+        ".safetensors file of `vitrain export`, or timm:NAME (timm's weights: --set train.init_weights=FILE, else "
+        "the local Hugging Face cache; nothing is downloaded)",
     )
     finetune.add_argument(
         "--recipe", default=None, help="fine-tuning recipe (default: the checkpoint's own config, as '<recipe>_ft')"
@@ -373,21 +378,47 @@ def command_train(args: argparse.Namespace) -> int:
 
 
 def command_finetune(args: argparse.Namespace) -> int:
-    """``train`` with ``train.init_from``; without --recipe the checkpoint's config is the base."""
-    from vitrain.checkpoint.sharded import read_checkpoint_model
+    """``train`` with ``train.init_from``: the recipe's config (timm weights: with the model holding them),
+    or without --recipe the source's saved config."""
     from vitrain.train import train
 
-    if args.recipe is not None:
-        base = get_recipe(args.recipe)
-    else:
-        base = Config.model_validate(read_checkpoint_model(args.init_from)[1]["config"])
-        base.recipe = f"{base.recipe}_ft"
-    config = load_config(base, args)
-    config.train.init_from = args.init_from
+    config = load_config(_finetune_base(args), args)
+    config.train.init_from = str(args.init_from)
     with processes(config) as world:
         summary = train(make_plan(config, world))
     _print_result(summary, world)
     return 0
+
+
+def _finetune_base(args: argparse.Namespace) -> Config:
+    """The config a fine-tuning run starts from, before --config/--set: --recipe's, its model replaced by
+    the one holding timm weights; else the saved config of vitrain weights, as recipe ``<recipe>_ft``."""
+    from vitrain.models.sources import WeightsSourceError, init_source_kind, read_init_weights
+
+    timm_source = init_source_kind(args.init_from) == "timm"
+    if args.recipe is not None and not timm_source:
+        return get_recipe(args.recipe)
+    if args.recipe is None and timm_source:
+        raise ConfigError(
+            f"--from {args.init_from}: timm weights carry no training config; give --recipe (the data and "
+            "schedule to fine-tune with; the weights set its model.name)"
+        )
+    weights = load_config(get_recipe(args.recipe), args).train.init_weights if timm_source else None
+    try:
+        saved = read_init_weights(args.init_from, weights)[1]
+    except WeightsSourceError as error:
+        raise ConfigError(f"--from {args.init_from}: {error}") from None
+    if timm_source:
+        base = get_recipe(args.recipe)
+        base.model = base.model.model_copy(update=saved["model"])
+        return base
+    if "recipe" not in saved:
+        raise ConfigError(
+            f"--from {args.init_from} carries no vitrain config (not written by `vitrain export`): give --recipe"
+        )
+    base = Config.model_validate(saved)
+    base.recipe = f"{base.recipe}_ft"
+    return base
 
 
 def command_eval(args: argparse.Namespace) -> int:

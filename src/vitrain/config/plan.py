@@ -317,8 +317,10 @@ class LoopPlan:
     log_every_steps: int
     max_skipped_steps: int
     progress: bool | Literal["auto"]
-    init_from: Path | None
-    """Fine-tune from this checkpoint's model weights (train.init_from)."""
+    init_from: str | None
+    """Fine-tune from these model weights (train.init_from: a checkpoint, run folder, .safetensors, timm:NAME)."""
+    init_weights: Path | None = None
+    """The weights file of a timm:NAME init_from (train.init_weights); None: the Hugging Face cache's."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -418,13 +418,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
         f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "
         f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
     )
-    _require(
-        config.train.init_from is None
-        or Path(config.train.init_from).is_file()
-        or (Path(config.train.init_from) / "COMPLETE").is_file(),
-        f"train.init_from={config.train.init_from}: no such checkpoint (or an incomplete one); give a "
-        "runs/.../checkpoints/step-* file or sharded folder",
-    )
+    _check_init_source(config.train)
 
 
 def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
@@ -636,6 +630,33 @@ def _check_distill_token(config: Config) -> bool:
     return token
 
 
+def _check_init_source(train: Any) -> None:
+    """``train.init_from`` names something that holds weights; ``train.init_weights`` only with timm:NAME."""
+    from vitrain.models.sources import WEIGHTS_SUFFIXES, init_source_kind
+
+    if train.init_from is None:
+        _require(train.init_weights is None, "train.init_weights is for train.init_from=timm:NAME; set both or neither")
+        return
+    if init_source_kind(train.init_from) == "timm":
+        _require(
+            train.init_weights is None
+            or (Path(train.init_weights).is_file() and Path(train.init_weights).suffix in WEIGHTS_SUFFIXES),
+            f"train.init_weights={train.init_weights}: no such .safetensors/.pth/.bin file; give the path of "
+            f"{train.init_from[5:]}'s weights (or leave it unset to use the local Hugging Face cache)",
+        )
+        return
+    path = Path(train.init_from)
+    _require(
+        path.is_file() or (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir(),
+        f"train.init_from={train.init_from}: no such checkpoint (or an incomplete one); give a run folder, a "
+        "runs/.../checkpoints/step-* file or sharded folder, a .safetensors file or timm:NAME",
+    )
+    _require(
+        train.init_weights is None,
+        f"train.init_weights is for train.init_from=timm:NAME; {train.init_from} holds its own weights: remove it",
+    )
+
+
 def _check_teacher_source(train: Any) -> None:
     """The teacher's files exist and the keys fit its kind (a timm name needs its local weights file)."""
     from vitrain.models import model_spec
@@ -805,6 +826,7 @@ def _training_parts(
             max_skipped_steps=train.max_skipped_steps,
             progress=train.progress,
             init_from=train.init_from,
+            init_weights=train.init_weights,
         ),
     )
 

@@ -264,10 +264,15 @@ class TrainConfig(Section):
     budget: str | None = None
     """Training length in wall-clock training seconds (evaluation and checkpoints excluded), e.g. 600s, 10m,
     24h, 1h30m; the LR schedule and curriculum are planned against the fraction of it used."""
-    init_from: Path | None = None
-    """Fine-tune: start from the model weights of this checkpoint (position embeddings resampled to
-    data.image_size, the classifier re-initialized when the class count differs); optimizer, schedule
-    and counters start fresh. A resumed run continues from its own checkpoint instead."""
+    init_from: str | None = None
+    """Fine-tune: start from these model weights (position embeddings resampled to data.image_size, the
+    classifier re-initialized when the class count differs): a checkpoint (step-N.pt file or sharded folder),
+    a run folder (its best checkpoint), a .safetensors file of `vitrain export`, or timm:NAME (timm's
+    weights of model NAME: train.init_weights, else the local Hugging Face cache; nothing is downloaded).
+    Optimizer, schedule and counters start fresh. A resumed run continues from its own checkpoint instead."""
+    init_weights: Path | None = None
+    """The weights file (.safetensors, .pth, .bin) of a train.init_from=timm:NAME; unset: the file the local
+    Hugging Face cache holds for NAME."""
     eval_batch_size: int | None = None
     """Evaluation batch size; twice train.batch_size when unset."""
     eval_every_epochs: int = Field(1, ge=0)

@@ -48,6 +48,16 @@ def timm_name(name: str) -> str:
     return TIMM_NAMES[name]
 
 
+def variant_for_timm(architecture: str | None) -> str:
+    """Our variant of timm architecture ``architecture`` (no ``.tag``); ValueError when there is none."""
+    if architecture not in _OUR_NAMES:
+        raise ValueError(
+            f"timm architecture {architecture!r} has no vitrain variant (timm architectures vitrain has: "
+            f"{', '.join(sorted(_OUR_NAMES))})"
+        )
+    return _OUR_NAMES[architecture]
+
+
 def inferred_model_args(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:
     """Args a state dict fixes that can differ from the variant's defaults (classes, size, head)."""
     args = model_spec(name).args
@@ -89,10 +99,10 @@ def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None =
     """
     if isinstance(source, nn.Module):
         if name is None:
-            architecture = getattr(source, "pretrained_cfg", {}).get("architecture")
-            if architecture not in _OUR_NAMES:
-                raise ValueError(f"timm architecture {architecture!r} has no vitrain variant; pass name=")
-            name = _OUR_NAMES[architecture]
+            try:
+                name = variant_for_timm(getattr(source, "pretrained_cfg", {}).get("architecture"))
+            except ValueError as error:
+                raise ValueError(f"{error}; pass name= with a variant of the same family") from None
         state_dict = source.state_dict()
     else:
         if name is None:

@@ -14,24 +14,27 @@ under ``torch.no_grad()``. Every process holds a whole copy (it is not sharded).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from vitrain.models import build_model, load_weights, model_spec
 from vitrain.models.convert import inferred_model_args
+from vitrain.models.sources import (
+    WEIGHTS_SUFFIXES,
+    SourceKind,
+    WeightsSourceError,
+    read_vitrain_weights,
+    read_weights_file,
+)
 
-WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
-"""Weights files a timm-name teacher reads."""
-
-SourceKind = Literal["run", "checkpoint", "safetensors", "timm"]
+__all__ = ["WEIGHTS_SUFFIXES", "TeacherError", "load_teacher", "teacher_source_kind"]
 
 
-class TeacherError(ValueError):
+class TeacherError(WeightsSourceError):
     """A teacher that cannot be loaded; the message says which file or name and what to do."""
 
 
@@ -68,40 +71,14 @@ def load_teacher(
     else:
         if weights is not None:
             raise TeacherError(f"a weights file ({weights}) goes with a timm model name, not with {source}; drop it")
-        state_dict, config = _read_vitrain_source(Path(source), kind)
+        try:
+            state_dict, config = read_vitrain_weights(Path(source), kind)
+        except WeightsSourceError as error:
+            raise TeacherError(str(error)) from None
         teacher = _vitrain_teacher(state_dict, config, model, source, num_classes)
     _check_sizes(teacher, image_sizes, source)
     teacher.to(device).eval().requires_grad_(False)
     return teacher
-
-
-def _read_vitrain_source(path: Path, kind: SourceKind) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict, saved config) of a run folder, checkpoint or safetensors file, with the project's readers."""
-    from vitrain.checkpoint import CheckpointError, find_latest_checkpoint
-    from vitrain.checkpoint.manager import find_best_checkpoint
-    from vitrain.checkpoint.sharded import read_checkpoint_model
-
-    if not path.exists():
-        raise TeacherError(
-            f"{path} does not exist; give a run folder, a checkpoint, a .safetensors file or a timm name"
-        )
-    if kind == "safetensors":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        return load_file(str(path)), json.loads(metadata.get("config", "{}"))
-    if kind == "run":
-        checkpoint = find_best_checkpoint(path) or find_latest_checkpoint(path)
-        if checkpoint is None:
-            raise TeacherError(f"run folder {path} holds no complete checkpoint; train it first or give a checkpoint")
-        path = checkpoint
-    try:
-        state_dict, info = read_checkpoint_model(path)
-    except CheckpointError as error:
-        raise TeacherError(str(error)) from None
-    return state_dict, info.get("config", {})
 
 
 def _vitrain_teacher(
@@ -145,25 +122,6 @@ def _class_count_error(source: Any, teacher_classes: int, data_classes: int) -> 
     )
 
 
-def _read_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict from a .safetensors file, or a torch file (weights only) holding one, possibly under
-    ``model`` or ``state_dict`` (DeiT's and many training scripts' layout)."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    from vitrain.checkpoint import CheckpointError, load_checkpoint
-
-    try:
-        payload = load_checkpoint(path)
-    except CheckpointError as error:
-        raise TeacherError(str(error)) from None
-    for key in ("model", "state_dict"):
-        if isinstance(payload, dict) and isinstance(payload.get(key), dict):
-            payload = payload[key]
-    return payload
-
-
 def _timm_teacher(name: str, weights: str | Path | None, num_classes: int, in_chans: int) -> nn.Module:
     try:
         import timm
@@ -176,9 +134,10 @@ def _timm_teacher(name: str, weights: str | Path | None, num_classes: int, in_ch
     if weights is None:
         raise TeacherError(f"the timm teacher {name} needs its weights file: pass --set train.teacher_weights=PATH")
     path = Path(weights)
-    if not path.is_file():
-        raise TeacherError(f"teacher weights {path} do not exist; give a local .safetensors, .pth or .bin file")
-    state_dict = _read_weights_file(path)
+    try:
+        state_dict = read_weights_file(path)
+    except WeightsSourceError as error:
+        raise TeacherError(f"teacher {error}") from None
     teacher = timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_chans)
     own = teacher.state_dict()
     classifier = teacher.get_classifier()

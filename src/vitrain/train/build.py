@@ -37,13 +37,14 @@ from vitrain import cpu_features, kernels
 from vitrain.checkpoint import CheckpointManager, RunCheckpoints
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
-from vitrain.checkpoint.sharded import load_model_state, read_checkpoint_model
+from vitrain.checkpoint.sharded import load_model_state
 from vitrain.config import ConfigError, DataPlan, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.data.sources import image_folder_root, image_folder_samples
 from vitrain.models import build_model, load_pretrained
+from vitrain.models.sources import WeightsSourceError, read_init_weights
 from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
@@ -269,10 +270,13 @@ def warm_up_compiled_shapes(run: Run) -> float:
     return time.perf_counter() - started
 
 
-def apply_init_from(run: Run, path: Path) -> list[str]:
+def apply_init_from(run: Run, path: str | Path) -> list[str]:
     """Load a checkpoint's model weights into a new run (fine-tuning); returns the classifier
     parameters left at their initialization because the class count differs."""
-    weights, info = read_checkpoint_model(path)
+    try:
+        weights, info = read_init_weights(path, run.plan.loop.init_weights)
+    except WeightsSourceError as error:
+        raise ConfigError(f"train.init_from={path}: {error}") from None
     target = run.model
     if holds_dtensors(run.model):  # FSDP/TP: adapt a plain full copy (resampling, new head), then shard it
         target = build_model_for(run.plan, "cpu")
@@ -286,7 +290,7 @@ def apply_init_from(run: Run, path: Path) -> list[str]:
     run.step_fn.weights_changed()
     if run.ema is not None:
         run.ema.reset()  # the average starts from the weights fine-tuning starts from
-    saved_size = info.get("config", {}).get("data", {}).get("image_size")
+    saved_size = info.get("data", {}).get("image_size", "?")
     log.info(
         "initialized from %s (trained at %s px, now %d px)%s",
         path,

@@ -432,7 +432,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     if payload is not None:
         run.state = TrainState.from_state_dict(run.checkpoints.resume(checkpoint_path, payload))
     elif plan.loop.init_from is not None:
-        apply_init_from(run, Path(plan.loop.init_from))
+        apply_init_from(run, plan.loop.init_from)
     log.info("%s", describe_start(run))
     metrics = build_metrics_sinks(plan.log, plan.out_dir, run.state.step) if plan.world.is_main else NullWriter()
     try:
