@@ -10,6 +10,7 @@ per test with the reason for their size.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +248,18 @@ def test_resume_on_cuda_is_bitwise(tmp_path, monkeypatch):
         assert_same_training_state(find_latest_checkpoint(resumed_dir), find_latest_checkpoint(straight.out_dir))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_profile_on_cuda_traces_kernels_and_snapshots_memory(tmp_path):
+    """train.profile on CUDA: the trace has GPU kernels and a memory snapshot is written beside it."""
+    import json
+    import pickle
+
+    overrides = cuda_overrides("train.steps=4", "train.profile=1:2", f"train.out_dir={tmp_path / 'run'}")
+    summary = train(make_plan(make_config(*overrides)))
+    profile = summary["profile"]
+    events = json.loads(Path(profile["trace"]).read_text())["traceEvents"]
+    assert any(event.get("cat") == "kernel" for event in events)
+    with open(profile["memory_snapshot"], "rb") as handle:
+        assert pickle.load(handle)["segments"]  # the CUDA caching allocator's segments, with their blocks
+    assert "self_cuda_time_total" in Path(profile["ops"]).read_text()

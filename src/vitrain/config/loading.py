@@ -4,6 +4,7 @@ into one :class:`~vitrain.config.schema.Config`."""
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,31 @@ import yaml
 from pydantic import ValidationError
 
 from vitrain.config.schema import Config, ConfigError
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 numbers: ``2:3`` stays the string "2:3"
+    (``train.profile=START:N``) instead of the integer 123; every other scalar reads as before."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigLoader.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+ConfigLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def _format_validation_error(error: ValidationError, prefix: str = "") -> str:
@@ -61,7 +87,7 @@ def parse_override(text: str) -> dict:
     if not sep or not key:
         raise ConfigError(f"--set '{text}': expected key=value, e.g. --set train.batch_size=128")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, ConfigLoader) if raw.strip() else None
     except yaml.YAMLError as error:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({error.problem})") from None
     nested: dict = {}
@@ -77,7 +103,7 @@ def load_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass the path of a YAML config")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.load(path.read_text(), ConfigLoader)
     except yaml.YAMLError as error:
         raise ConfigError(f"--config {path}: not valid YAML ({error})") from None
     if loaded is None:

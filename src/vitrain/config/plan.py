@@ -321,6 +321,8 @@ class LoopPlan:
     """Fine-tune from these model weights (train.init_from: a checkpoint, run folder, .safetensors, timm:NAME)."""
     init_weights: Path | None = None
     """The weights file of a timm:NAME init_from (train.init_weights); None: the Hugging Face cache's."""
+    profile: tuple[int, int] | None = None
+    """(START, N): trace N steps from step START with torch.profiler (train.profile)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -419,6 +419,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
         f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
     )
     _check_init_source(config.train)
+    profile_window(config.train.profile)
 
 
 def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
@@ -630,6 +631,20 @@ def _check_distill_token(config: Config) -> bool:
     return token
 
 
+def profile_window(text: str | None) -> tuple[int, int] | None:
+    """train.profile ``"START:N"`` -> (START, N); None for None; ConfigError naming the form otherwise."""
+    if text is None:
+        return None
+    start, separator, count = str(text).partition(":")
+    window = (int(start), int(count)) if separator and start.isdigit() and count.isdigit() else None
+    _require(
+        window is not None and window[1] >= 1,
+        f"train.profile={text}: give START:N, the first step to trace (0-based) and how many steps (>= 1), "
+        "e.g. train.profile=20:5",
+    )
+    return window
+
+
 def _check_init_source(train: Any) -> None:
     """``train.init_from`` names something that holds weights; ``train.init_weights`` only with timm:NAME."""
     from vitrain.models.sources import WEIGHTS_SUFFIXES, init_source_kind
@@ -827,6 +842,7 @@ def _training_parts(
             progress=train.progress,
             init_from=train.init_from,
             init_weights=train.init_weights,
+            profile=profile_window(train.profile),
         ),
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -310,6 +310,15 @@ class TrainConfig(Section):
     """auto (CUDA if present, else CPU), cpu, cuda or cuda:N."""
     out_dir: str = "runs/{recipe}-{time}"
     """Run folder; {recipe} and {time} are filled in at start."""
+    profile: str | None = None
+    """START:N: a torch.profiler trace of N training steps from step START (0-based) into <run>/profile/:
+    Chrome/TensorBoard trace, operator tables, and on CUDA a memory snapshot; the paths in summary.json."""
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_as_text(cls, value: Any) -> str | None:
+        return None if value is None else str(value)  # a bare START reads as a number; resolve() explains
+
     log_every_steps: int = Field(50, ge=1)
     """Write a metrics line every N steps (the only steps that synchronize with the device)."""
     max_skipped_steps: int = Field(16, ge=0)

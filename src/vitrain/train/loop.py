@@ -23,6 +23,7 @@ from vitrain.config import Plan, Stage
 from vitrain.data.mixing import mixing_generator
 from vitrain.metrics import MetricsSinks, NullWriter, build_metrics_sinks
 from vitrain.metrics.peak import peak_flops
+from vitrain.metrics.profiling import StepProfiler
 from vitrain.metrics.utilization import WindowPeakMemory, achieved_tflops, training_flops, utilization
 from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
@@ -76,6 +77,7 @@ class Trainer:
         self.peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
+        self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)
         self.wall_started = self.last_checkpoint_at = clock()
 
     # --- clocks and position -----------------------------------------------------------------
@@ -337,8 +339,10 @@ class Trainer:
             apply_lr(run.optimizer, scheduled_lr(plan.schedule, state, self.train_seconds()))
             images, labels, token_box = self._on_device(*batch)
             mixing = {} if token_box is None else {"token_box": token_box}
+            self.profiler.before_step(state.step)
             self.last_outputs = run.step_fn(images, labels, **mixing)
             self.skips.add(run.step_fn.skipped)
+            self.profiler.after_step(state.step)
             state.step += 1
             self._update_ema()
             images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
@@ -398,9 +402,11 @@ class Trainer:
                     if self._train_in_stage(progress):
                         self._end_epoch(progress)
             except Preempted as preempted:
+                self.profiler.close()
                 self._summary(preempted=preempted.signal_name)
                 raise
             self._close_window(progress)
+        self.profiler.close()
         if self.last_eval_step != state.step:
             self.evaluate()
         if self.last_checkpoint_step != state.step:
@@ -418,6 +424,7 @@ class Trainer:
             self.session_data_wait_s,
             preempted,
             {"mean_tflops": tflops, "mean_mfu": self._mfu(tflops), "peak_mem_gib": self.session_peak_mem_gib},
+            self.profiler.files,
         )
         self.metrics.log_summary(summary)
         return summary

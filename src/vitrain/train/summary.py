@@ -49,9 +49,11 @@ def write_summary(
     session_data_wait_s: float,
     preempted: str | None = None,
     utilization: dict[str, float | None] | None = None,
+    profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``summary.json`` (rank 0) and return it. ``utilization``: the session's ``mean_tflops`` (the
-    whole job's), ``mean_mfu`` (per device) and ``peak_mem_gib``, as the training loop measured them."""
+    whole job's), ``mean_mfu`` (per device) and ``peak_mem_gib``, as the training loop measured them;
+    ``profile``: the steps and files of a ``train.profile`` trace (rank 0's)."""
     state, plan = run.state, run.plan
     summary = {
         "model": plan.model.name,
@@ -81,6 +83,7 @@ def write_summary(
         "bad_eval_images": run.eval_loader.bad_images.counts(),
         "skipped_steps": state.skipped_steps,
         "preempted": preempted,
+        "profile": profile or None,
         **run_environment(plan.device),
     }
     if plan.world.is_main:
