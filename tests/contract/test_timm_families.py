@@ -176,3 +176,18 @@ def test_kernel_converted_models_keep_layer_scale_and_quickgelu(variant):
     converted.load_state_dict(plain.state_dict())
     assert kernels.convert(converted) > 0
     assert _max_difference(converted, plain, 32) == 0.0
+
+
+def test_deit3_variants_are_timms_sizes_with_deit3s_training_choices():
+    for size, drop_path in (("small", 0.05), ("base", 0.2), ("large", 0.45)):
+        ours = build_model(f"deit3_{size}_patch16", device="meta")
+        with torch.device("meta"):
+            theirs = timm.create_model(f"deit3_{size}_patch16_224", pretrained=False)
+        assert {k: v.shape for k, v in ours.state_dict().items()} == {
+            k: v.shape for k, v in theirs.state_dict().items()
+        }
+        assert ours.args.num_heads == theirs.blocks[0].attn.num_heads
+        # README_revenge.md's --drop-path, the same in every block (models_v2.py)
+        assert [block.drop_path1.rate for block in ours.blocks] == [drop_path] * ours.args.depth
+    linear = build_model("vit_small_patch16", device="meta", drop_path_rate=0.1)
+    assert linear.blocks[0].drop_path1.rate == 0.0 and linear.blocks[-1].drop_path1.rate == pytest.approx(0.1)

@@ -126,7 +126,7 @@ _VIT_SIZES = {
 _DEIT_SIZES = ("tiny", "small", "base")
 # DeiT III (Touvron et al. 2022): LayerScale from 1e-4 (facebookresearch/deit models_v2.py init_scale; timm's
 # deit3_* use 1e-6), no position embedding for the CLS token, and the stochastic depth of the ImageNet-1k
-# commands in its README_revenge.md (S 0.05, B 0.2, L 0.45).
+# commands in its README_revenge.md (S 0.05, B 0.2, L 0.45), the same in every block (models_v2.py).
 _DEIT3_DROP_PATH = {"small": 0.05, "base": 0.2, "large": 0.45}
 # CLIP's image towers as timm builds them (vit_*_clip_224): pre-norm, LayerNorm eps 1e-5; quickgelu for
 # OpenAI's weights. (size, patch) pairs of timm's vit_{size}_patch{patch}_clip[_quickgelu]_224.
@@ -189,7 +189,14 @@ def _register_deit3_and_clip() -> None:
         register_model(
             f"deit3_{size}_patch16",
             VisionTransformer,
-            ViTArgs(**dims, patch_size=16, layer_scale=1e-4, pos_embed_class=False, drop_path_rate=drop_path),
+            ViTArgs(
+                **dims,
+                patch_size=16,
+                layer_scale=1e-4,
+                pos_embed_class=False,
+                drop_path_rate=drop_path,
+                drop_path_schedule="uniform",
+            ),
             f"DeiT III ViT-{short}/16: LayerScale, no CLS position embedding (Touvron et al. 2022)",
         )
     for size, patch in _CLIP_TOWERS:

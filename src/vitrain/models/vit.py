@@ -22,8 +22,8 @@ Choices that differ from the papers:
 - DeiT III (Touvron et al. 2022, "DeiT III: Revenge of the ViT"): ``layer_scale`` (LayerScale, each residual
   branch times a learned per-channel ``gamma``) and ``pos_embed_class=False`` (position embeddings for the
   patches only; the CLS token is joined after adding them), timm's ``init_values`` and ``no_embed_class``.
-  The variants start LayerScale at 1e-4 as DeiT III's code (timm builds them at 1e-6); its code also drops
-  every block's path at the same rate, where ours rises linearly with depth as timm's does.
+  The variants start LayerScale at 1e-4 and drop every block's path at the same rate
+  (``drop_path_schedule="uniform"``), as DeiT III's code does (timm builds them at 1e-6, rates rising with depth).
 - CLIP's image tower (Radford et al. 2021, timm's ``vit_*_clip_*``): ``pre_norm`` adds a LayerNorm
   ``norm_pre`` after the position embedding and drops the patch embedding's bias; its LayerNorms use
   ``norm_eps=1e-5`` and OpenAI's weights ``act="quick_gelu"``. CLIP's projection into the text embedding
@@ -77,6 +77,8 @@ class ViTArgs:
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    drop_path_schedule: Literal["linear", "uniform"] = "linear"
+    """Stochastic depth per block: rising linearly from 0 to ``drop_path_rate`` (timm), or the same in all (DeiT III)."""
     distill_token: bool = False
     """DeiT's distillation token and second classifier ``head_dist`` (needs ``head="cls"``)."""
     aux_head: bool = False
@@ -127,6 +129,8 @@ class VisionTransformer(nn.Module):
         if args.act == "quick_gelu":
             mlp_type = functools.partial(Mlp, act_layer=QuickGELU)
         drop_path_rates = torch.linspace(0, args.drop_path_rate, args.depth).tolist()
+        if args.drop_path_schedule == "uniform":
+            drop_path_rates = [args.drop_path_rate] * args.depth
         self.blocks = Blocks(
             Block(
                 dim,
