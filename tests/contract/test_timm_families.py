@@ -191,3 +191,15 @@ def test_deit3_variants_are_timms_sizes_with_deit3s_training_choices():
         assert [block.drop_path1.rate for block in ours.blocks] == [drop_path] * ours.args.depth
     linear = build_model("vit_small_patch16", device="meta", drop_path_rate=0.1)
     assert linear.blocks[0].drop_path1.rate == 0.0 and linear.blocks[-1].drop_path1.rate == pytest.approx(0.1)
+
+
+def test_patch_size_is_read_from_either_stem():
+    from vitrain.models.convert import inferred_model_args
+
+    conv = build_model("vit_tiny6_convstem_patch8", patch_size=4, img_size=16, depth=1).state_dict()
+    assert {key: inferred_model_args(conv, "vit_tiny6_convstem_patch8")[key] for key in ("patch_size", "img_size")} == {
+        "patch_size": 4,
+        "img_size": 16,
+    }
+    patchify = build_model("vit_tiny_patch16", patch_size=4, img_size=24, depth=1).state_dict()
+    assert inferred_model_args(patchify, "vit_tiny_patch16")["img_size"] == 24

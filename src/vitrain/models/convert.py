@@ -100,8 +100,11 @@ def _vit_geometry(state_dict: Mapping[str, torch.Tensor], args: ViTArgs) -> dict
     prefix = ("cls_token" in state_dict) + ("dist_token" in state_dict)
     found: dict[str, Any] = {"head": "cls" if prefix else "gap", "distill_token": "dist_token" in state_dict}
     patch_size = args.patch_size
+    stem_convs = [key for key, value in state_dict.items() if key.startswith("patch_embed.convs.") and value.ndim == 4]
     projection = state_dict.get("patch_embed.proj.weight")
-    if args.stem == "patch" and projection is not None and projection.ndim == 4:
+    if stem_convs:  # the convolutional stem: one stride-2 convolution per halving, then a 1x1 projection
+        patch_size = found["patch_size"] = 2 ** len(stem_convs)
+    elif projection is not None and projection.ndim == 4:  # the patchify convolution: kernel = stride = patch
         patch_size = found["patch_size"] = projection.shape[-1]
     entries = state_dict["pos_embed"].shape[1]
     patches = entries - (prefix if args.pos_embed_class else 0)
