@@ -95,19 +95,24 @@ class ViTArgs:
     """The FFN's activation (``mlp`` FFN only): exact GELU, or OpenAI CLIP's ``x * sigmoid(1.702 x)``."""
 
 
+def _check_args(args: ViTArgs) -> None:
+    """ValueError naming the conflict when ``args`` do not make a model."""
+    if args.img_size % args.patch_size:
+        raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
+    if args.distill_token and args.head != "cls":
+        raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
+    if args.distill_token and args.aux_head:
+        raise ValueError("aux_head=True does not combine with distill_token=True: use one of the two heads")
+    if args.act != "gelu" and args.ffn != "mlp":
+        raise ValueError(f"act={args.act!r} needs ffn='mlp' (the {args.ffn} FFN has its own activation)")
+    if args.layer_scale is not None and args.layer_scale <= 0:
+        raise ValueError(f"layer_scale must be a positive starting value or None, got {args.layer_scale}")
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, args: ViTArgs, device=None, dtype=None):
         super().__init__()
-        if args.img_size % args.patch_size:
-            raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
-        if args.distill_token and args.head != "cls":
-            raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
-        if args.distill_token and args.aux_head:
-            raise ValueError("aux_head=True does not combine with distill_token=True: use one of the two heads")
-        if args.act != "gelu" and args.ffn != "mlp":
-            raise ValueError(f"act={args.act!r} needs ffn='mlp' (the {args.ffn} FFN has its own activation)")
-        if args.layer_scale is not None and args.layer_scale <= 0:
-            raise ValueError(f"layer_scale must be a positive starting value or None, got {args.layer_scale}")
+        _check_args(args)
         factory = {"device": device, "dtype": dtype}
         self.args = args
         self.num_prefix_tokens = (2 if args.distill_token else 1) if args.head == "cls" else 0
