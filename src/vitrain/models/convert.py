@@ -155,9 +155,12 @@ def inferred_model_args(
 def from_timm(source: nn.Module | Mapping[str, torch.Tensor], name: str | None = None, **overrides: Any) -> nn.Module:
     """Our model holding the weights of a timm model (or its state dict).
 
-    ``name`` is our variant; for a timm model it defaults to the one matching its architecture.
-    Classes, input size, channels and head are read from the weights; ``overrides`` set the rest
-    (``img_size=`` another resolution resamples the position embedding bicubically).
+    ``name`` is our variant; for a timm model it defaults to the one of its architecture's family and size
+    at any resolution and patch size (:func:`our_variant`). Classes, channels, head, patch size and input
+    size are read from the weights; ``overrides`` set the rest (``img_size=`` another resolution resamples
+    the position embedding bicubically). Weights of another structure are refused before loading, with
+    ValueError naming the differing tensors, or for a timm model the differing heads, LayerNorm epsilon,
+    activation or position-embedding layout.
     """
     if isinstance(source, nn.Module):
         state_dict = source.state_dict()
