@@ -41,6 +41,8 @@ PAIRS = {
         {"depth": 3, "img_size": 32, "head": "gap"},
         {"depth": 3, "img_size": 32, "global_pool": "avg", "class_token": False},
     ),
+    "deit3": ("deit3_small_patch16", {"depth": 3, "img_size": 32}, {"depth": 3, "img_size": 32}),  # LayerScale
+    "clip": ("vit_base_patch16_clip", {"depth": 3, "img_size": 32}, {"depth": 3, "img_size": 32}),  # norm_pre
     "volo": ("volo_d1", {"img_size": 64}, {"img_size": 64}),
     "resnet": ("resnet50", {}, {}),
 }
@@ -61,7 +63,7 @@ def test_groups_equal_timm_param_groups_layer_decay(pair):
     # timm merges the final norm of ViT and VOLO (``norm``; ``fc_norm`` of a pooled head is not merged)
     # into the last block's layer; BEiT's numbering, ours, keeps it with the head at scale 1
     final_norm = {name for name in got if name.startswith("norm.")}
-    assert final_norm == ({"norm.weight", "norm.bias"} if pair in ("vit-cls", "volo") else set())
+    assert final_norm == ({"norm.weight", "norm.bias"} if pair in ("vit-cls", "deit3", "clip", "volo") else set())
     for name in final_norm:
         assert got[name] == (1.0, 0.0) and expected[name] == (LAYER_DECAY, 0.0), name
     # the same integer powers of the same factor: equal floats

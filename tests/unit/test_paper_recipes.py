@@ -131,7 +131,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "deit_b_distilled_300ep": {**DEIT_DISTILLED, "model.name": "deit_base_distilled_patch16"},
     "deit3_s": {
         **DEIT3_COMMON,
-        "model.name": "vit_small_patch16",  # no LayerScale in vitrain's ViT (docstring says so)
+        "model.name": "deit3_small_patch16",  # README_revenge.md --model deit_small_patch16_LS (LayerScale)
         "model.drop_path_rate": 0.05,  # README_revenge.md ViT-S --drop-path 0.05
         "data.image_size": 224,  # README_revenge.md ViT-S --input-size 224
         "optim.lr": 4e-3,  # README_revenge.md ViT-S --lr 4e-3
@@ -140,7 +140,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     },
     "deit3_b": {
         **DEIT3_COMMON,
-        "model.name": "vit_base_patch16",
+        "model.name": "deit3_base_patch16",  # README_revenge.md --model deit_base_patch16_LS (LayerScale)
         "model.drop_path_rate": 0.2,  # README_revenge.md ViT-B --drop-path 0.2
         "data.image_size": 192,  # README_revenge.md ViT-B --input-size 192 (then fine-tuned at 224)
         "optim.lr": 3e-3,  # README_revenge.md ViT-B --lr 3e-3

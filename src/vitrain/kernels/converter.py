@@ -54,7 +54,11 @@ class FusedMlp(Mlp):
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         hidden = None
-        if self.act.approximate == "none" and not (self.fc1._forward_hooks or self.fc1._forward_pre_hooks):
+        if (
+            isinstance(self.act, nn.GELU)
+            and self.act.approximate == "none"
+            and not (self.fc1._forward_hooks or self.fc1._forward_pre_hooks)
+        ):
             hidden = linear_gelu(x, self.fc1.weight, self.fc1.bias)
         if hidden is None:
             return super().forward(x, grid)
@@ -104,8 +108,8 @@ def _chained_block(
         normed = block.norm1(x)
     else:
         x, normed = add_layer_norm(x, branch, block.norm1)
-    x, normed = add_layer_norm(x, block.drop_path1(block.attn(normed)), block.norm2)
-    return x, block.drop_path2(block.mlp(normed, grid))
+    x, normed = add_layer_norm(x, block.drop_path1(block.ls1(block.attn(normed))), block.norm2)
+    return x, block.drop_path2(block.ls2(block.mlp(normed, grid)))
 
 
 class ChainedBlocks(Blocks):

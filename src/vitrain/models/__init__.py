@@ -68,7 +68,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: 
             flat = resample_pos_embed(saved.flatten(1, 2), tuple(own.shape[1:3]), num_prefix_tokens=0)
             resampled = flat.reshape(own.shape)
         else:
-            resampled = resample_pos_embed(saved, model.grid, model.num_prefix_tokens)
+            resampled = resample_pos_embed(saved, model.grid, model.pos_embed_prefix_tokens)
         state_dict = {**state_dict, "pos_embed": resampled}
     model.load_state_dict(state_dict, strict=strict)
 
@@ -124,6 +124,13 @@ _VIT_SIZES = {
 }
 # DeiT (Touvron et al. 2021): the ViT architecture with its training defaults; stochastic depth 0.1.
 _DEIT_SIZES = ("tiny", "small", "base")
+# DeiT III (Touvron et al. 2022): LayerScale from 1e-4 (facebookresearch/deit models_v2.py init_scale; timm's
+# deit3_* use 1e-6), no position embedding for the CLS token, and the stochastic depth of the ImageNet-1k
+# commands in its README_revenge.md (S 0.05, B 0.2, L 0.45), the same in every block (models_v2.py).
+_DEIT3_DROP_PATH = {"small": 0.05, "base": 0.2, "large": 0.45}
+# CLIP's image towers as timm builds them (vit_*_clip_224): pre-norm, LayerNorm eps 1e-5; quickgelu for
+# OpenAI's weights. (size, patch) pairs of timm's vit_{size}_patch{patch}_clip[_quickgelu]_224.
+_CLIP_TOWERS = (("base", 16), ("base", 32), ("large", 14), ("huge", 14))
 
 
 def _register_vit_family() -> None:
@@ -155,6 +162,7 @@ def _register_vit_family() -> None:
             ViTArgs(**_VIT_SIZES[size][0], patch_size=16, drop_path_rate=0.1, distill_token=True),
             f"DeiT-{_VIT_SIZES[size][1]}/16 with the distillation token and head (Touvron et al. 2021, sec. 4)",
         )
+    _register_deit3_and_clip()
     # Small images (Fashion-MNIST): 6 blocks of ViT-Ti width; patch 7 -> a 4x4 grid at 28 px,
     # the best accuracy per CPU-second we measured at equal time (docs/benchmarks.md).
     small_image = {"embed_dim": 192, "depth": 6, "num_heads": 3, "patch_size": 7, "img_size": 28}
@@ -173,6 +181,39 @@ def _register_vit_family() -> None:
         ViTArgs(**{**small_image, "patch_size": 8, "img_size": 32}, stem="conv"),
         "6-block ViT-Ti with Xiao et al.'s convolutional stem (3 stride-2 convs), for 32 px images",
     )
+
+
+def _register_deit3_and_clip() -> None:
+    for size, drop_path in _DEIT3_DROP_PATH.items():
+        dims, short, _ = _VIT_SIZES[size]
+        register_model(
+            f"deit3_{size}_patch16",
+            VisionTransformer,
+            ViTArgs(
+                **dims,
+                patch_size=16,
+                layer_scale=1e-4,
+                pos_embed_class=False,
+                drop_path_rate=drop_path,
+                drop_path_schedule="uniform",
+            ),
+            f"DeiT III ViT-{short}/16: LayerScale, no CLS position embedding (Touvron et al. 2022)",
+        )
+    for size, patch in _CLIP_TOWERS:
+        dims, short, _ = _VIT_SIZES[size]
+        clip = ViTArgs(**dims, patch_size=patch, pre_norm=True, norm_eps=1e-5)
+        register_model(
+            f"vit_{size}_patch{patch}_clip",
+            VisionTransformer,
+            clip,
+            f"CLIP's ViT-{short}/{patch} image tower: pre-norm, LayerNorm eps 1e-5 (Radford et al. 2021)",
+        )
+        register_model(
+            f"vit_{size}_patch{patch}_clip_quickgelu",
+            VisionTransformer,
+            dataclasses.replace(clip, act="quick_gelu"),
+            f"CLIP's ViT-{short}/{patch} image tower with OpenAI's QuickGELU (Radford et al. 2021)",
+        )
 
 
 def _register_localvit_family() -> None:

@@ -1,7 +1,8 @@
 """Analytic forward FLOPs per image, one function per family (a multiply-add counts as 2 FLOPs).
 
 They count what ``torch.utils.flop_counter.FlopCounterMode`` counts (matmuls, convolutions,
-attention), not elementwise ops or norms; tests compare the two within 5 %. MFU uses
+attention), not elementwise ops or norms (so nothing for DeiT III's LayerScale, CLIP's ``norm_pre`` or
+QuickGELU); tests compare the two within 5 %. MFU uses
 ``3 × forward`` for a training step (backward costs twice the forward).
 """
 

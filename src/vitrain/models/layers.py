@@ -64,12 +64,13 @@ class DropPath(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patches -> tokens, by a strided convolution."""
+    """Non-overlapping patches -> tokens, by a strided convolution (``bias=False``: CLIP's, which a
+    LayerNorm follows)."""
 
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, device=None, dtype=None):
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
         self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, device=device, dtype=dtype)
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         height, width = images.shape[-2:]
@@ -290,13 +291,30 @@ class Attention(nn.Module):
         return self.proj_drop(self.proj(self.core(self.qkv(x))))
 
 
-class Mlp(nn.Module):
-    """FFN of ViT: expand, GELU, reduce."""
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``: the GELU approximation of OpenAI's CLIP (Radford et al. 2021), which its
+    released image towers were trained with (timm's ``act_layer="quick_gelu"``)."""
 
-    def __init__(self, dim: int, hidden: int, drop: float = 0.0, num_prefix_tokens: int = 0, device=None, dtype=None):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class Mlp(nn.Module):
+    """FFN of ViT: expand, GELU (or ``act_layer``), reduce."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        drop: float = 0.0,
+        num_prefix_tokens: int = 0,
+        act_layer: type[nn.Module] = nn.GELU,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
-        self.act = nn.GELU()
+        self.act = act_layer()
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
         self.drop2 = nn.Dropout(drop)
@@ -331,8 +349,27 @@ class LocalityMlp(nn.Module):
         return self.drop2(self.fc2(self.drop1(self.act(x))))
 
 
+class LayerScale(nn.Module):
+    """A learned per-channel factor ``gamma`` on a residual branch, starting at ``init_value`` (LayerScale:
+    Touvron et al. 2021, CaiT sec. 2; DeiT III's ViTs). timm's module and parameter name."""
+
+    def __init__(self, dim: int, init_value: float, device=None, dtype=None):
+        super().__init__()
+        self.init_value = init_value
+        self.gamma = nn.Parameter(torch.full((dim,), init_value, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.gamma.fill_(self.init_value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + MSA(LN(x)), then x + FFN(LN(x)) (Irandoust et al. 2022, eq. 1)."""
+    """Pre-norm transformer block: x + MSA(LN(x)), then x + FFN(LN(x)) (Irandoust et al. 2022, eq. 1);
+    with ``layer_scale`` each branch is scaled by a learned per-channel factor (``ls1``, ``ls2``: LayerScale,
+    identities without it, as in timm)."""
 
     def __init__(
         self,
@@ -346,21 +383,25 @@ class Block(nn.Module):
         drop_path: float = 0.0,
         attn_impl: Literal["sdpa", "matmul"] = "sdpa",
         attn_softmax_fp32: bool = False,
+        layer_scale: float | None = None,
+        norm_eps: float = 1e-6,
         device=None,
         dtype=None,
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **factory)
         self.attn = Attention(dim, num_heads, attn_drop, drop, attn_impl, attn_softmax_fp32, **factory)
+        self.ls1 = LayerScale(dim, layer_scale, **factory) if layer_scale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **factory)
         self.mlp = mlp_type(dim, mlp_hidden, drop, num_prefix_tokens, **factory)
+        self.ls2 = LayerScale(dim, layer_scale, **factory) if layer_scale else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x), grid))
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x), grid)))
 
 
 class Blocks(nn.ModuleList):

@@ -19,17 +19,37 @@ Choices that differ from the papers:
   and LV-ViT's inference rule); :meth:`VisionTransformer.forward_head_with_tokens` returns both parts for
   the token-labeling loss. timm's ``VisionTransformer`` has no such head: such a model does not convert
   to timm.
+- DeiT III (Touvron et al. 2022, "DeiT III: Revenge of the ViT"): ``layer_scale`` (LayerScale, each residual
+  branch times a learned per-channel ``gamma``) and ``pos_embed_class=False`` (position embeddings for the
+  patches only; the CLS token is joined after adding them), timm's ``init_values`` and ``no_embed_class``.
+  The variants start LayerScale at 1e-4 and drop every block's path at the same rate
+  (``drop_path_schedule="uniform"``), as DeiT III's code does (timm builds them at 1e-6, rates rising with depth).
+- CLIP's image tower (Radford et al. 2021, timm's ``vit_*_clip_*``): ``pre_norm`` adds a LayerNorm
+  ``norm_pre`` after the position embedding and drops the patch embedding's bias; its LayerNorms use
+  ``norm_eps=1e-5`` and OpenAI's weights ``act="quick_gelu"``. CLIP's projection into the text embedding
+  is not part of the model: ``head`` is a classifier.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import torch
 from torch import nn
 
-from vitrain.models.layers import Block, Blocks, ConvStem, LocalityMlp, Mlp, PatchEmbed, resample_pos_embed
+from vitrain.models.layers import (
+    Block,
+    Blocks,
+    ConvStem,
+    LayerScale,
+    LocalityMlp,
+    Mlp,
+    PatchEmbed,
+    QuickGELU,
+    resample_pos_embed,
+)
 from vitrain.models.localvit import LocalViTMlp
 
 
@@ -57,35 +77,65 @@ class ViTArgs:
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    drop_path_schedule: Literal["linear", "uniform"] = "linear"
+    """Stochastic depth per block: rising linearly from 0 to ``drop_path_rate`` (timm), or the same in all (DeiT III)."""
     distill_token: bool = False
     """DeiT's distillation token and second classifier ``head_dist`` (needs ``head="cls"``)."""
     aux_head: bool = False
     """Token labeling's auxiliary classifier ``aux_head`` on every patch token (not with ``distill_token``)."""
+    layer_scale: float | None = None
+    """LayerScale's starting value: each residual branch times a learned per-channel ``gamma`` (DeiT III)."""
+    pos_embed_class: bool = True
+    """Position embeddings for the CLS/distillation tokens too (ViT, DeiT); False: patches only (DeiT III)."""
+    pre_norm: bool = False
+    """CLIP's LayerNorm ``norm_pre`` after the position embedding, and a patch embedding without bias."""
+    norm_eps: float = 1e-6
+    """Epsilon of every LayerNorm (CLIP's: 1e-5)."""
+    act: Literal["gelu", "quick_gelu"] = "gelu"
+    """The FFN's activation (``mlp`` FFN only): exact GELU, or OpenAI CLIP's ``x * sigmoid(1.702 x)``."""
+
+
+def _check_args(args: ViTArgs) -> None:
+    """ValueError naming the conflict when ``args`` do not make a model."""
+    if args.img_size % args.patch_size:
+        raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
+    if args.distill_token and args.head != "cls":
+        raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
+    if args.distill_token and args.aux_head:
+        raise ValueError("aux_head=True does not combine with distill_token=True: use one of the two heads")
+    if args.act != "gelu" and args.ffn != "mlp":
+        raise ValueError(f"act={args.act!r} needs ffn='mlp' (the {args.ffn} FFN has its own activation)")
+    if args.layer_scale is not None and args.layer_scale <= 0:
+        raise ValueError(f"layer_scale must be a positive starting value or None, got {args.layer_scale}")
 
 
 class VisionTransformer(nn.Module):
     def __init__(self, args: ViTArgs, device=None, dtype=None):
         super().__init__()
-        if args.img_size % args.patch_size:
-            raise ValueError(f"img_size {args.img_size} is not divisible by patch_size {args.patch_size}")
-        if args.distill_token and args.head != "cls":
-            raise ValueError("distill_token=True needs head='cls': the heads read the CLS and distillation tokens")
-        if args.distill_token and args.aux_head:
-            raise ValueError("aux_head=True does not combine with distill_token=True: use one of the two heads")
+        _check_args(args)
         factory = {"device": device, "dtype": dtype}
         self.args = args
         self.num_prefix_tokens = (2 if args.distill_token else 1) if args.head == "cls" else 0
         grid_side = args.img_size // args.patch_size
         self.grid = (grid_side, grid_side)
         dim = args.embed_dim
-        stem = {"patch": PatchEmbed, "conv": ConvStem}[args.stem]
-        self.patch_embed = stem(args.patch_size, args.in_chans, dim, **factory)
+        if args.stem == "patch":
+            self.patch_embed = PatchEmbed(args.patch_size, args.in_chans, dim, bias=not args.pre_norm, **factory)
+        else:
+            self.patch_embed = ConvStem(args.patch_size, args.in_chans, dim, **factory)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.head == "cls" else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, dim, **factory)) if args.distill_token else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + grid_side**2, dim, **factory))
+        self.pos_embed_prefix_tokens = self.num_prefix_tokens if args.pos_embed_class else 0
+        """Prefix tokens with a position embedding (0 for DeiT III's layout)."""
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.pos_embed_prefix_tokens + grid_side**2, dim, **factory))
         self.pos_drop = nn.Dropout(args.drop_rate)
+        self.norm_pre = nn.LayerNorm(dim, eps=args.norm_eps, **factory) if args.pre_norm else nn.Identity()
         mlp_type = {"mlp": Mlp, "locality": LocalityMlp, "localvit": LocalViTMlp}[args.ffn]
+        if args.act == "quick_gelu":
+            mlp_type = functools.partial(Mlp, act_layer=QuickGELU)
         drop_path_rates = torch.linspace(0, args.drop_path_rate, args.depth).tolist()
+        if args.drop_path_schedule == "uniform":
+            drop_path_rates = [args.drop_path_rate] * args.depth
         self.blocks = Blocks(
             Block(
                 dim,
@@ -98,11 +148,13 @@ class VisionTransformer(nn.Module):
                 drop_path=rate,
                 attn_impl=args.attn_impl,
                 attn_softmax_fp32=args.attn_softmax_fp32,
+                layer_scale=args.layer_scale,
+                norm_eps=args.norm_eps,
                 **factory,
             )
             for rate in drop_path_rates
         )
-        final_norm = nn.LayerNorm(dim, eps=1e-6, **factory)
+        final_norm = nn.LayerNorm(dim, eps=args.norm_eps, **factory)
         self.norm = final_norm if args.head == "cls" else nn.Identity()
         self.fc_norm = final_norm if args.head == "gap" else nn.Identity()
         self.head_drop = nn.Dropout(args.drop_rate)
@@ -134,7 +186,7 @@ class VisionTransformer(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.Conv2d, nn.BatchNorm2d)):
+            elif isinstance(module, (nn.Conv2d, nn.BatchNorm2d, LayerScale)):
                 module.reset_parameters()
 
     def no_weight_decay(self) -> set[str]:
@@ -152,7 +204,7 @@ class VisionTransformer(nn.Module):
     def layer_id(self, param_name: str) -> int:
         """Depth of a parameter for layer-wise LR decay (BEiT's numbering): 0 embeddings, i+1 block i,
         ``num_layers + 1`` the final norm and the heads (the auxiliary head included)."""
-        if param_name.startswith(("patch_embed", "cls_token", "dist_token", "pos_embed")):
+        if param_name.startswith(("patch_embed", "cls_token", "dist_token", "pos_embed", "norm_pre")):
             return 0
         if param_name.startswith("blocks."):
             return int(param_name.split(".")[1]) + 1
@@ -162,11 +214,15 @@ class VisionTransformer(nn.Module):
         x, grid = self.patch_embed(images)
         pos_embed = self.pos_embed
         if grid != self.grid:
-            pos_embed = resample_pos_embed(pos_embed, grid, self.num_prefix_tokens)
+            pos_embed = resample_pos_embed(pos_embed, grid, self.pos_embed_prefix_tokens)
         prefix = [token.expand(x.shape[0], -1, -1) for token in (self.cls_token, self.dist_token) if token is not None]
+        if not self.args.pos_embed_class:  # DeiT III: the patches' positions first, then the prefix tokens
+            x = x + pos_embed
         if prefix:
             x = torch.cat([*prefix, x], dim=1)
-        x = self.pos_drop(x + pos_embed)
+        if self.args.pos_embed_class:
+            x = x + pos_embed
+        x = self.norm_pre(self.pos_drop(x))
         return self.norm(self.blocks(x, grid))
 
     def forward_head(

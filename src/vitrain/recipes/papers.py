@@ -160,17 +160,19 @@ def _deit3(model: str, lr: float, drop_path: float, image_size: int) -> Config:
 @register_recipe
 def deit3_s() -> Config:
     """DeiT III ViT-S/16, 800 epochs at 224 px (Touvron et al. 2022; README_revenge.md's ViT-S command: lr 4e-3
-    at batch 2048, stochastic depth 0.05); the paper reports 81.4 % top-1 for 800 epochs. vitrain's ViT has no
-    LayerScale, which DeiT III's models use (init 1e-4): without it expect a lower accuracy and a less
-    stable start. `vitrain train --recipe deit3_s --set data.root=/data/imagenet`."""
-    return _deit3("vit_small_patch16", 4e-3, 0.05, 224)
+    at batch 2048, stochastic depth 0.05); the paper reports 81.4 % top-1 for 800 epochs. The model is DeiT
+    III's ViT (``deit3_small_patch16``: LayerScale from 1e-4, no CLS position embedding, the same stochastic
+    depth in every block).
+    `vitrain train --recipe deit3_s --set data.root=/data/imagenet`."""
+    return _deit3("deit3_small_patch16", 4e-3, 0.05, 224)
 
 
 @register_recipe
 def deit3_b() -> Config:
     """DeiT III ViT-B/16 pretraining, 800 epochs at 192 px (Touvron et al. 2022; README_revenge.md's ViT-B
     command: lr 3e-3 at batch 2048, stochastic depth 0.2); the paper's 83.8 % top-1 comes after a 20-epoch
-    fine-tune at 224 px (README_revenge.md), which is not part of this recipe. vitrain's ViT has no
-    LayerScale, which DeiT III's models use: without it expect a lower accuracy and a less stable start.
+    fine-tune at 224 px (README_revenge.md), which is not part of this recipe. The model is DeiT III's ViT
+    (``deit3_base_patch16``: LayerScale from 1e-4, no CLS position embedding, the same stochastic depth in
+    every block).
     `vitrain train --recipe deit3_b --set data.root=/data/imagenet`."""
-    return _deit3("vit_base_patch16", 3e-3, 0.2, 192)
+    return _deit3("deit3_base_patch16", 3e-3, 0.2, 192)
