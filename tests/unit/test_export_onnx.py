@@ -27,6 +27,8 @@ FAMILIES = {
     "localvit": ("localvit_tiny_patch16", {"depth": 2}),
     "volo": ("volo_d1", {"layers": (1, 1, 1, 1)}),  # outlookers, transformer, class attention, aux head
     "resnet": ("resnet50", {}),
+    "deit_distilled": ("deit_tiny_distilled_patch16", {"depth": 2}),  # the mean of both heads
+    "convstem_locality_gap": ("vit_tiny6_convstem_patch8", {"depth": 2, "ffn": "locality", "head": "gap"}),
 }
 
 
