@@ -54,7 +54,8 @@ def require_onnx_packages() -> Any:
         except ImportError:
             missing.append(name)
     if missing:
-        raise ConfigError(f"--format onnx needs {', '.join(missing)}, which is not installed: {INSTALL_HINT}")
+        verb = "is" if len(missing) == 1 else "are"
+        raise ConfigError(f"--format onnx needs {', '.join(missing)}, which {verb} not installed: {INSTALL_HINT}")
     return modules["onnxruntime"]
 
 
@@ -138,11 +139,9 @@ def _tensor_description(argument: Any) -> dict[str, Any]:
     return {"name": argument.name, "shape": list(argument.shape), "type": argument.type}
 
 
-def max_abs_difference(model: nn.Module, path: Path, input_size: Sequence[int]) -> tuple[float, Any]:
-    """The largest |onnxruntime - PyTorch| logit over random batches of :data:`CHECK_BATCHES` images, and
-    the onnxruntime session (CPU) of ``path``."""
-    onnxruntime = require_onnx_packages()
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+def max_abs_difference(model: nn.Module, session: Any, input_size: Sequence[int]) -> float:
+    """The largest |onnxruntime - PyTorch| logit over random batches of :data:`CHECK_BATCHES` images of
+    ``input_size``; ``session`` is an ``onnxruntime.InferenceSession`` of ``model``'s export."""
     generator, worst = torch.Generator().manual_seed(1), 0.0
     for batch in CHECK_BATCHES:
         images = torch.randn(batch, *input_size, generator=generator)
@@ -150,7 +149,7 @@ def max_abs_difference(model: nn.Module, path: Path, input_size: Sequence[int]) 
             expected = model(images)
         (logits,) = session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})
         worst = max(worst, (torch.from_numpy(logits) - expected).abs().max().item())
-    return worst, session
+    return worst
 
 
 def export_onnx_model(model: nn.Module, out: Path, input_size: Sequence[int], metadata: dict[str, str]) -> dict:
@@ -158,13 +157,13 @@ def export_onnx_model(model: nn.Module, out: Path, input_size: Sequence[int], me
     as the ONNX file ``out`` for ``input_size`` (C, H, W) images with ``metadata``, and check it with
     onnxruntime. Returns ``opset``, ``inputs``, ``outputs`` (name, shape, type) and ``max_abs_diff``; an
     :class:`OnnxCheckError` when the difference is over :data:`MAX_ABS_DIFF`."""
-    require_onnx_packages()
+    onnxruntime = require_onnx_packages()
     out = Path(out)
     model = apply_standard_attention(model).float().eval()
     opset = _write(model, out, input_size, metadata)
-    difference, session = max_abs_difference(model, out, input_size)
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    difference = max_abs_difference(model, session, input_size)
     if not difference <= MAX_ABS_DIFF:  # NaN included
-        del session
         for path in (out, out.with_name(out.name + ".data")):
             path.unlink(missing_ok=True)
         raise OnnxCheckError(
