@@ -123,19 +123,24 @@ def _add_checkpoint_parsers(commands) -> None:
 
     export = commands.add_parser(
         "export",
-        help="write a checkpoint's model weights (file or sharded folder) as one safetensors file, or as a timm "
-        "model folder",
+        help="write a checkpoint's model weights (file or sharded folder) as one safetensors file, as a timm "
+        "model folder, or as an ONNX model checked with onnxruntime",
     )
     export.add_argument("--checkpoint", required=True, type=Path, help="runs/.../checkpoints/step-* or a run folder")
     export.add_argument(
-        "--out", required=True, type=Path, help="the .safetensors file to write (--format timm: the folder)"
+        "--out",
+        required=True,
+        type=Path,
+        help="the .safetensors file to write (--format timm: the folder; --format onnx: the .onnx file)",
     )
     export.add_argument(
         "--format",
-        choices=["safetensors", "timm"],
+        choices=["safetensors", "timm", "onnx"],
         default="safetensors",
         help="safetensors (default): vitrain's weights and saved config in one file; timm: model.safetensors in "
-        "timm's layout and a Hugging Face hub config.json, for timm.create_model",
+        "timm's layout and a Hugging Face hub config.json, for timm.create_model; onnx: the fp32 model with a "
+        "free batch size and the evaluation transform in its metadata, checked with onnxruntime "
+        "(pip install 'vitrain[onnx]')",
     )
     _add_weights_argument(export)
 
@@ -441,12 +446,15 @@ def command_eval(args: argparse.Namespace) -> int:
 
 
 def command_export(args: argparse.Namespace) -> int:
+    from vitrain.checkpoint.onnx import export_onnx
     from vitrain.checkpoint.sharded import export_model, export_timm
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "format": args.format, "out": str(args.out)}
     if args.format == "timm":
         result.update(export_timm(args.checkpoint, args.out, args.weights))
+    elif args.format == "onnx":
+        result.update(export_onnx(args.checkpoint, args.out, args.weights))
     else:
         result["tensors"] = export_model(args.checkpoint, args.out, args.weights)
     print(json.dumps(result))

@@ -26,7 +26,7 @@ import pickle
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,6 +45,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from vitrain.checkpoint.manager import CheckpointError, load_checkpoint
 from vitrain.checkpoint.manager import _fsync_dir as fsync_dir
 from vitrain.parallel.distributed import active, barrier
+
+if TYPE_CHECKING:
+    from vitrain.config import Config, Plan
 
 COMPLETE_MARKER = "COMPLETE"
 EXTRAS_FILE = "extras.pt"
@@ -331,6 +334,21 @@ def export_model(checkpoint: Path, out: Path, weights: str = "live") -> int:
     return len(tensors)
 
 
+def build_exported_model(checkpoint: Path, weights: str = "live") -> tuple[nn.Module, Plan, Config, list[str] | None]:
+    """A checkpoint's model (either format; ``weights``: ``live`` or ``ema``) as the exports write it: built
+    by the registry from the saved config, on the CPU in fp32, with no converter applied; with the resolved
+    plan, the config and the class names (None when unknown)."""
+    from vitrain.models import build_model
+    from vitrain.predict import checkpoint_config, checkpoint_plan, known_class_names
+
+    tensors, info = read_checkpoint_model(checkpoint, weights)
+    config = checkpoint_config(info.get("config", {}), overrides=["train.device=cpu", "precision=fp32"])
+    plan = checkpoint_plan(config, info, tensors)
+    model = build_model(plan.model.name, **plan.model.arguments)
+    model.load_state_dict(tensors)
+    return model, plan, config, known_class_names(config.data, info, plan.model.num_classes)
+
+
 TIMM_WEIGHTS_FILE, TIMM_CONFIG_FILE = "model.safetensors", "config.json"
 
 
@@ -343,16 +361,9 @@ def export_timm(checkpoint: Path, out: Path, weights: str = "live") -> dict[str,
     from safetensors.torch import save_file
 
     from vitrain.config import ConfigError
-    from vitrain.models import build_model
     from vitrain.models.convert import timm_hub_config, to_timm
-    from vitrain.predict import checkpoint_config, checkpoint_plan, known_class_names
 
-    tensors, info = read_checkpoint_model(checkpoint, weights)
-    config = checkpoint_config(info.get("config", {}), overrides=["train.device=cpu", "precision=fp32"])
-    plan = checkpoint_plan(config, info, tensors)
-    model = build_model(plan.model.name, **plan.model.arguments)
-    model.load_state_dict(tensors)
-    names = known_class_names(config.data, info, plan.model.num_classes)
+    model, plan, config, names = build_exported_model(checkpoint, weights)
     try:
         hub_config = timm_hub_config(plan.model.name, model, plan.data.mean, plan.data.std, config.data.crop_pct, names)
     except ValueError as error:
@@ -372,6 +383,7 @@ __all__ = [
     "COMPLETE_MARKER",
     "SafeFileSystemReader",
     "WEIGHTS_KEYS",
+    "build_exported_model",
     "export_model",
     "export_timm",
     "full_state",

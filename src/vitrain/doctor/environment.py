@@ -28,8 +28,9 @@ OPTIONAL_PACKAGES = {
     "wandb": ("wandb", "log.sinks=[wandb]"),
     "nvidia.dali": ("nvidia-dali", None),  # distributed as nvidia-dali-cudaXXX
     "webdataset": ("webdataset", None),
-    "onnx": ("onnx", None),
-    "onnxruntime": ("onnxruntime", None),
+    "onnx": ("onnx", "export --format onnx"),
+    "onnxscript": ("onnxscript", "export --format onnx"),
+    "onnxruntime": ("onnxruntime", "export --format onnx (its check)"),
 }
 
 
