@@ -108,3 +108,19 @@ def test_a_folder_that_is_not_a_run_or_holds_no_checkpoint_exits_2(tmp_path, cap
     (tmp_path / "empty-run" / "checkpoints").mkdir(parents=True)
     assert main(["export", "--checkpoint", str(tmp_path / "empty-run"), "--out", str(tmp_path / "m.safetensors")]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_sharded_checkpoints_record_their_best_too(tmp_path):
+    """checkpoint.format=sharded: best.json names the best step-N folder; a run folder resolves to it."""
+
+    def fixed_top1(self, model):
+        return {"top1": TOP1_BY_STEP[self.run.state.step], "top5": 100.0, "loss": 1.0}
+
+    run_dir = tmp_path / "sharded"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop.Trainer, "_evaluate_weights", fixed_top1)
+        train(make_plan(make_config(*_overrides(run_dir), "checkpoint.format=sharded")))
+    best = resolve_checkpoint_argument(run_dir)
+    assert best.is_dir() and best.name == "step-000000012"
+    assert find_resume_checkpoint("best", run_dir, None) == best
+    assert json.loads((run_dir / "checkpoints" / "best.json").read_text())["top1"] == 70.0

@@ -105,7 +105,7 @@ def find_best_checkpoint(run_dir: Path) -> Path | None:
     folder = Path(run_dir) / "checkpoints"
     record = read_best_record(folder)
     path = folder / record["file"] if record else None
-    return path if path is not None and path.is_file() else None
+    return path if path is not None and (path.is_file() or (path / "COMPLETE").is_file()) else None
 
 
 def find_last_checkpoint(run_dir: Path) -> Path:
@@ -212,7 +212,7 @@ class CheckpointManager:
                 "writable train.out_dir (the previous checkpoint is intact)"
             ) from None
         if top1 is not None:
-            self._record_if_best(step, top1)
+            self.record_if_best(final.name, step, top1)
         self._prune()
         return final
 
@@ -220,17 +220,19 @@ class CheckpointManager:
         """Remove what crashed saves left and all but the newest ``keep_last`` checkpoints (and the best)."""
         self._prune()
 
-    def _record_if_best(self, step: int, top1: float) -> None:
+    def record_if_best(self, name: str, step: int, top1: float) -> None:
+        """Name checkpoint ``name`` (a file or sharded folder in the folder) of ``step`` in ``best.json`` when
+        its eval ``top1`` beats the recorded best, or the recorded one is gone."""
         best = read_best_record(self.folder)
-        if best is not None and top1 <= best["top1"] and (self.folder / best["file"]).is_file():
+        if best is not None and top1 <= best["top1"] and (self.folder / best["file"]).exists():
             return
-        record = {"step": step, "top1": top1, "file": self.path_for(step).name}
+        record = {"step": step, "top1": top1, "file": name}
         try:
             write_file_atomic(self.folder / BEST_RECORD, (json.dumps(record) + "\n").encode())
         except OSError as error:
             raise CheckpointError(
                 f"cannot write {self.folder / BEST_RECORD}: {error.strerror or error}; free disk space "
-                f"(checkpoint {self.path_for(step).name} itself is complete)"
+                f"(checkpoint {name} itself is complete)"
             ) from None
 
     def _prune(self) -> None:

@@ -134,6 +134,8 @@ class RunCheckpoints:
             final = self.manager.path_for(state.step).with_suffix("")
             path = save_sharded(final, self.payload(state, full=False), extras, self.world.is_main)
             if self.world.is_main:
+                if top1 is not None:
+                    self.manager.record_if_best(path.name, state.step, top1)
                 self.manager.prune()
                 log.info("saved %s", path)
         else:
