@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vitrain.models.volo import (
     VOLO,
+    VOLO_TINY_PATCH4,
     VOLO_VARIANTS,
     ClassAttention,
     ClassBlock,
@@ -129,6 +130,21 @@ def test_small_config_equals_timm(attn_impl):
     assert {block.attn.impl for block in model.network[-1]} == {attn_impl}  # the transformer stage's
     differences = _differences(reference, model, _images(64, batch=3))
     assert max(differences.values()) <= MAX_ABS_DIFF, differences
+
+
+def test_tiny_patch4_equals_timm_at_32_px_on_one_channel():
+    """The small-image variant (stem stride 4) is timm's VOLO class with these arguments."""
+    _timm()
+    torch.manual_seed(0)
+    args = dataclasses.replace(VOLO_TINY_PATCH4, in_chans=1, num_classes=10)
+    reference = _timm_volo(args)
+    _perturb_norms(reference)
+    model = VOLO(args)
+    model.load_state_dict(reference.state_dict(), strict=True)
+    images = torch.randn(3, 1, 32, 32, generator=torch.Generator().manual_seed(1))
+    differences = _differences(reference.eval(), model.eval(), images)
+    assert max(differences.values()) <= MAX_ABS_DIFF, differences
+    assert model.forward_features(images).shape == (3, 1 + 4 * 4, 192)  # CLS + the 4x4 transformer grid
 
 
 def test_attention_implementations_give_the_same_gradients():
@@ -348,9 +364,10 @@ def _measured_flops(args: VOLOArgs, img_size: int) -> int:
         (VOLO_VARIANTS["volo_d5"], 224),
         (SMALL, 64),
         (SMALL, 96),  # resampled position embedding
+        (VOLO_TINY_PATCH4, 32),
         (dataclasses.replace(SMALL, use_aux_head=False, mlp_ratio=4.0, outlook_kernel_size=5, post_layers=("ca",)), 64),
     ],
-    ids=["d1-224", "d5-224", "small-64", "small-96", "small-variant"],
+    ids=["d1-224", "d5-224", "small-64", "small-96", "tiny-patch4-32", "small-variant"],
 )
 def test_analytic_flops_match_counter(args, img_size):
     analytic, measured = volo_flops(args, img_size), _measured_flops(args, img_size)

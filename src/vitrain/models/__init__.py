@@ -13,7 +13,7 @@ from vitrain.models.layers import resample_pos_embed
 from vitrain.models.localvit import LOCALVIT_SIZES
 from vitrain.models.resnet import ResNet, ResNetArgs, build_resnet
 from vitrain.models.vit import VisionTransformer, ViTArgs, build_localvit
-from vitrain.models.volo import VOLO, VOLO_VARIANTS, VOLOArgs
+from vitrain.models.volo import VOLO, VOLO_TINY_PATCH4, VOLO_VARIANTS, VOLOArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +250,13 @@ def _register_resnet_family() -> None:
 def _register_volo_family() -> None:
     for name, args in VOLO_VARIANTS.items():
         register_model(name, VOLO, args, f"VOLO-{name[-2:].upper()} (Yuan et al. 2021)")
+    register_model(
+        "volo_tiny_patch4",
+        VOLO,
+        VOLO_TINY_PATCH4,
+        "a small VOLO for 32 px images: 2 outlooker, 5 transformer and 2 class-attention blocks, widths "
+        "96/192, stem stride 4",
+    )
 
 
 _register_vit_family()
