@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 """``(uint8 images, int64 labels)``; training batches of a plan with ``crop_geometry`` add a third member,
 the float64 ``(B, 6)`` geometry: each sample's index in the training set (the one actually used, after a bad
 file's replacement), then its :data:`~vitrain.data.transforms.CropGeometry` ``(x1, y1, x2, y2, flipped)``."""
+ReadCounts = tuple[int, int]
+"""What a data loader read: (bytes of the files decoded, files opened)."""
 log = logging.getLogger("vitrain")
 
 
@@ -93,6 +96,7 @@ class InMemoryLoader:
         self.geometry = data.crop_geometry and train
         self.epoch, self.start_sample = 0, 0
         self.bad_images = BadImageLog([], 1.0, "in-memory")  # decoded once, nothing to skip
+        self.read_counts: ReadCounts | None = None  # no files read while training
         self.configure(self.config.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
     def configure(self, image_size: int, batch_size: int) -> None:
@@ -305,6 +309,7 @@ class ImageFileDataset(Dataset):
         self.samples, self.transform, self.draft_side = samples, transform, draft_side
         self.max_image_pixels, self.replace_bad, self.geometry = max_image_pixels, replace_bad, geometry
         self.known_bad: dict[int, BadEvent] = {}  # per worker process: a bad file is decoded once
+        self.bytes_read, self.files_opened = 0, 0  # per process, since the last take_read_counts()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -312,8 +317,12 @@ class ImageFileDataset(Dataset):
     def _try_decode(self, index: int) -> Image.Image | BadEvent:
         if index in self.known_bad:
             return self.known_bad[index]
+        path = self.samples[index][0]
+        self.files_opened += 1
         try:
-            return decode_image(self.samples[index][0], self.draft_side, self.max_image_pixels).image
+            image = decode_image(path, self.draft_side, self.max_image_pixels).image
+            self.bytes_read += os.path.getsize(path)
+            return image
         except BadImage as error:
             self.known_bad[index] = (index, error.reason, error.detail)
             return self.known_bad[index]
@@ -335,6 +344,32 @@ class ImageFileDataset(Dataset):
             geometry = (float(used), *last_crop_geometry(self.transform)) if self.geometry else None
             return tensor, self.samples[used][1], events, geometry
         return None, self.samples[index][1], events, None
+
+    def take_read_counts(self) -> ReadCounts:
+        """Bytes decoded and files opened in this process since the last call; the counters restart at 0."""
+        counts = self.bytes_read, self.files_opened
+        self.bytes_read, self.files_opened = 0, 0
+        return counts
+
+
+class CountedReads(Dataset):
+    """An :class:`ImageFileDataset` whose items also carry the :data:`ReadCounts` of their reading (the last
+    member), so the counts reach the main process with the batch, as the bad events do."""
+
+    def __init__(self, files: ImageFileDataset):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, key: tuple[int, int]):
+        return *self.files[key], self.files.take_read_counts()
+
+
+def collate_counted(items: list) -> tuple:
+    """:func:`collate_decoded` of :class:`CountedReads` items, then their summed :data:`ReadCounts`."""
+    reads = (sum(item[-1][0] for item in items), sum(item[-1][1] for item in items))
+    return *collate_decoded([item[:-1] for item in items]), reads
 
 
 def collate_decoded(items: list[tuple[torch.Tensor | None, int, list[BadEvent], tuple | None]]):
@@ -360,6 +395,7 @@ class FileLoader:
             len(samples), data.seed, train, world.data_rank, world.data_size, data.source.repeated_aug
         )
         self.image_size, self.batch_size, self.loader = 0, 0, None
+        self.bytes_read, self.files_opened = 0, 0  # by the workers of this loader, ever
         self.configure(data.source.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
     def configure(self, image_size: int, batch_size: int) -> None:
@@ -384,10 +420,10 @@ class FileLoader:
         share = self.data.batch.per_process(batch_size)
         self.sampler.set_batch_size(batch_size, share)
         self.loader = DataLoader(
-            dataset,
+            CountedReads(dataset),
             batch_size=share,
             sampler=self.sampler,
-            collate_fn=collate_decoded,
+            collate_fn=collate_counted,
             drop_last=self.train,
             num_workers=workers,
             pin_memory=self.data.device.startswith("cuda"),
@@ -401,8 +437,15 @@ class FileLoader:
     def start_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.sampler.set_position(epoch, start_sample)
 
+    @property
+    def read_counts(self) -> ReadCounts:
+        """Bytes of the files decoded and files opened by this loader so far (batches received)."""
+        return self.bytes_read, self.files_opened
+
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, events, geometry in self.loader:
+        for images, labels, events, geometry, (num_bytes, num_files) in self.loader:
+            self.bytes_read += num_bytes
+            self.files_opened += num_files
             if events:
                 self.bad_images.record(events)  # raises past data.max_bad_fraction
             if images is None:
