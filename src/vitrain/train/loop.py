@@ -70,6 +70,8 @@ class Trainer:
         self.last_eval_step = self.last_checkpoint_step = -1
         self.session_images, self.session_train_s, self.session_data_wait_s = 0, 0.0, 0.0
         self.window_images, self.window_started, self.window_data_wait_s = 0, 0.0, 0.0
+        self.window_reads = run.train_loader.read_counts  # None: in-memory data, no files read
+        self.session_bytes_read, self.session_files_opened = 0, 0
         self.forward_flops, self.window_flops, self.session_flops = 0, 0, 0  # forward: per image, this stage
         self.session_peak_mem_gib: float | None = None
         self.memory = WindowPeakMemory(self.plan.device)
@@ -224,6 +226,7 @@ class Trainer:
     def _open_window(self) -> None:
         self.window_images, self.window_started, self.window_data_wait_s = 0, self.clock(), 0.0
         self.window_flops = 0
+        self.window_reads = self.run.train_loader.read_counts
         self.memory.start()
 
     def _close_window(self, progress: tqdm) -> None:
@@ -251,6 +254,7 @@ class Trainer:
             "img_s": self.window_images / elapsed if elapsed > 0 else None,
             **self._window_utilization(elapsed),
             "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
+            **self._window_reads(elapsed),
             "image_size": self.stage.image_size if self.stage else None,
             "bad_images": len(self.run.train_loader.bad_images.bad),
             **self._clocks(),
@@ -268,6 +272,28 @@ class Trainer:
         peak_mem_gib = self.memory.peak_gib()
         self.session_peak_mem_gib = max(self.session_peak_mem_gib or 0.0, peak_mem_gib)
         return {"tflops": tflops, "mfu": self._mfu(tflops), "peak_mem_gib": peak_mem_gib}
+
+    def _window_reads(self, elapsed: float) -> dict[str, float | None]:
+        """``read_mb_s`` and ``files_s`` of the window closing: bytes of the image files this process's training
+        loader decoded (MB = 10^6 bytes) and files it opened, per second (None for in-memory data); adds them
+        to the session's."""
+        now, before = self.run.train_loader.read_counts, self.window_reads
+        if now is None or before is None or elapsed <= 0:
+            return {"read_mb_s": None, "files_s": None}
+        num_bytes, num_files = now[0] - before[0], now[1] - before[1]
+        self.session_bytes_read += num_bytes
+        self.session_files_opened += num_files
+        return {"read_mb_s": num_bytes / elapsed / 1e6, "files_s": num_files / elapsed}
+
+    def _session_reads(self) -> dict[str, float | None]:
+        """``mean_read_mb_s`` and ``mean_files_s`` of this session's training seconds (None for in-memory data)."""
+        if self.run.train_loader.read_counts is None or self.session_train_s <= 0:
+            return {"mean_read_mb_s": None, "mean_files_s": None}
+        seconds = self.session_train_s
+        return {
+            "mean_read_mb_s": self.session_bytes_read / seconds / 1e6,
+            "mean_files_s": self.session_files_opened / seconds,
+        }
 
     def _mfu(self, tflops: float | None) -> float | None:
         """MFU of the job's ``tflops``: per device, against this device's peak (None when unknown)."""
@@ -425,6 +451,7 @@ class Trainer:
             preempted,
             {"mean_tflops": tflops, "mean_mfu": self._mfu(tflops), "peak_mem_gib": self.session_peak_mem_gib},
             self.profiler.files,
+            self._session_reads(),
         )
         self.metrics.log_summary(summary)
         return summary

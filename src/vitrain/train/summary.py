@@ -50,10 +50,12 @@ def write_summary(
     preempted: str | None = None,
     utilization: dict[str, float | None] | None = None,
     profile: dict[str, Any] | None = None,
+    data_reads: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Write ``summary.json`` (rank 0) and return it. ``utilization``: the session's ``mean_tflops`` (the
     whole job's), ``mean_mfu`` (per device) and ``peak_mem_gib``, as the training loop measured them;
-    ``profile``: the steps and files of a ``train.profile`` trace (rank 0's)."""
+    ``profile``: the steps and files of a ``train.profile`` trace (rank 0's); ``data_reads``: the session's
+    ``mean_read_mb_s`` and ``mean_files_s`` (rank 0's training loader; None for in-memory data)."""
     state, plan = run.state, run.plan
     summary = {
         "model": plan.model.name,
@@ -79,6 +81,7 @@ def write_summary(
         "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
         **{"mean_tflops": None, "mean_mfu": None, "peak_mem_gib": None, **(utilization or {})},
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
+        **{"mean_read_mb_s": None, "mean_files_s": None, **(data_reads or {})},
         "bad_images": run.train_loader.bad_images.counts(),
         "bad_eval_images": run.eval_loader.bad_images.counts(),
         "skipped_steps": state.skipped_steps,
