@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--flops", action="store_true", help="also the analytic forward GFLOPs per image at the default input size"
     )
     _add_bench_parser(commands)
+    _add_bench_data_parser(commands)
     _add_slurm_parser(commands)
     _add_plot_parser(commands)
     _add_check_data_parser(commands)
@@ -269,6 +271,33 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--plot", type=Path, help="--ladder/--nproc: PNG path (default: <kind>-<model>.png, or beside --json)"
     )
+
+
+def _add_bench_data_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-data",
+        help="measure the input pipeline of an image folder: storage MB/s and IOPS, decode + augment img/s per "
+        "worker count, and whether training would wait for data",
+        description="Example: vitrain bench-data /data/imagenet --workers 2,4,8 --model vit_base_patch16_224 "
+        "--precision bf16 --json data.json --plot data.png",
+    )
+    bench.add_argument("root", type=Path, help="dataset root (train/<class>/*) or one split folder of class folders")
+    bench.add_argument("--workers", default="1,2,4", help="data-loader worker counts to time (default 1,2,4)")
+    bench.add_argument("--image-size", type=int, default=224, help="training input side in pixels (default 224)")
+    bench.add_argument("--batch", type=int, default=64, help="images per batch (default 64)")
+    bench.add_argument(
+        "--seconds", type=float, default=3.0, help="time box of each storage pass and worker count (default 3)"
+    )
+    bench.add_argument("--json", type=Path, help="also write every figure and the machine as JSON to this file")
+    bench.add_argument("--plot", type=Path, help="PNG of img/s against workers")
+    bench.add_argument("--model", help="measure training img/s of this model (with --precision) for the verdict")
+    bench.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="precision of --model's steps")
+    bench.add_argument("--train-img-s", type=float, help="a measured training img/s to judge against (not --model)")
+    bench.add_argument("--compare-timm", action="store_true", help="also time timm's loader at each worker count")
+    bench.add_argument(
+        "--recipe", default=None, help="recipe whose data augmentation (and model settings) apply (default: defaults)"
+    )
+    _add_config_arguments(bench, with_recipe=False)
 
 
 def _add_plot_parser(commands) -> None:
@@ -570,6 +599,51 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_bench_data(args: argparse.Namespace) -> int:
+    from vitrain.bench.data import (
+        DataBenchSettings,
+        format_report,
+        measure_training_img_s,
+        parse_worker_counts,
+        plot_decode,
+        run_bench_data,
+    )
+
+    if args.train_img_s is not None and args.model is not None:
+        raise ConfigError("--train-img-s and --model both give the training rate; keep one")
+    if (args.model is None) != (args.precision is None):
+        raise ConfigError("--model and --precision go together: give both to measure training img/s, or neither")
+    for flag, value in (("--image-size", args.image_size), ("--batch", args.batch)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    for flag, value in (("--seconds", args.seconds), ("--train-img-s", args.train_img_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} {value}: must be > 0")
+    settings = DataBenchSettings(
+        root=args.root,
+        workers=parse_worker_counts(args.workers),
+        image_size=args.image_size,
+        batch=args.batch,
+        seconds=args.seconds,
+        compare_timm=args.compare_timm,
+        train_img_s=args.train_img_s,
+    )
+    base = get_recipe(args.recipe) if args.recipe else Config()
+    training = None
+    if args.model is not None:
+        training = functools.partial(
+            measure_training_img_s,
+            *(base, args.config, args.overrides, args.model, args.precision, args.image_size, args.batch),
+        )
+    result = run_bench_data(settings, build_config(base, args.config, args.overrides), training)
+    print(format_report(result))
+    _write_json(args.json, result)
+    if args.plot is not None:
+        done = plot_decode(result, args.plot)
+        print(f"plot: {args.plot}" if done else "no plot: matplotlib is not installed (pip install -e '.[plot]')")
+    return 0
+
+
 def _write_json(path: Path | None, result: dict) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -683,6 +757,7 @@ COMMANDS = {
     "list-recipes": command_list_recipes,
     "list-models": command_list_models,
     "bench": command_bench,
+    "bench-data": command_bench_data,
     "slurm": command_slurm,
     "check-data": command_check_data,
     "doctor": command_doctor,
