@@ -613,12 +613,6 @@ def command_bench_data(args: argparse.Namespace) -> int:
         raise ConfigError("--train-img-s and --model both give the training rate; keep one")
     if (args.model is None) != (args.precision is None):
         raise ConfigError("--model and --precision go together: give both to measure training img/s, or neither")
-    for flag, value in (("--image-size", args.image_size), ("--batch", args.batch)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: must be >= 1")
-    for flag, value in (("--seconds", args.seconds), ("--train-img-s", args.train_img_s)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} {value}: must be > 0")
     settings = DataBenchSettings(
         root=args.root,
         workers=parse_worker_counts(args.workers),

@@ -114,6 +114,8 @@ def test_bad_input_exits_2_naming_it(jpeg_folder, tmp_path, capsys):
         (["bench-data", str(flat)], "holds neither"),
         (["bench-data", str(jpeg_folder), "--model", "vit_tiny6_patch7"], "--precision"),
         (["bench-data", str(jpeg_folder), "--train-img-s", "0"], "--train-img-s"),
+        (["bench-data", str(jpeg_folder), "--batch", "0"], "--batch"),
+        (["bench-data", str(jpeg_folder), "--seconds", "-1"], "--seconds"),
     ]
     for argv, named in cases:
         assert main(argv) == 2, argv

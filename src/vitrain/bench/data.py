@@ -70,6 +70,14 @@ class DataBenchSettings:
     train_img_s: float | None = None
     """A measured training throughput to judge against (or None)."""
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--image-size", self.image_size), ("--batch", self.batch)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value}: must be >= 1")
+        for flag, value in (("--seconds", self.seconds), ("--train-img-s", self.train_img_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{flag} {value}: must be > 0")
+
 
 def parse_worker_counts(text: str) -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)``: sorted, without repeats, each >= 0 (0: decode in the main process)."""
