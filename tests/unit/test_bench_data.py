@@ -86,6 +86,7 @@ def test_model_and_precision_measure_the_training_rate_for_the_verdict(jpeg_fold
     training = result["training"]
     assert training["model"] == "vit_tiny6_patch7" and training["image_size"] == 14 and training["batch"] == 4
     assert training["img_s_median"] > 0
+    assert "synthetic" in training["source"]
     assert result["verdict"]["train_img_s"] == training["img_s_median"]
 
 
@@ -115,6 +116,19 @@ def test_bad_input_exits_2_naming_it(jpeg_folder, tmp_path, capsys):
         (["bench-data", str(jpeg_folder), "--model", "vit_tiny6_patch7"], "--precision"),
         (["bench-data", str(jpeg_folder), "--train-img-s", "0"], "--train-img-s"),
         (["bench-data", str(jpeg_folder), "--batch", "0"], "--batch"),
+        (
+            [
+                "bench-data",
+                str(jpeg_folder),
+                "--model",
+                "vit_tiny6_patch7",
+                "--precision",
+                "fp32",
+                "--image-size",
+                "15",
+            ],
+            "not divisible by the patch size",
+        ),
         (["bench-data", str(jpeg_folder), "--seconds", "-1"], "--seconds"),
     ]
     for argv, named in cases:

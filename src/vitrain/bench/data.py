@@ -315,7 +315,7 @@ def timm_loader(folder: Path, data: DataConfig, settings: DataBenchSettings, wor
     import torch
     from timm.data import create_dataset, create_loader
 
-    dataset = create_dataset("", root=str(folder), is_training=True, batch_size=batch)
+    dataset = create_dataset("", root=str(folder), split="train", is_training=True, batch_size=batch)
     return create_loader(
         dataset,
         input_size=(3, settings.image_size, settings.image_size),
@@ -430,7 +430,7 @@ def measure_training_img_s(
     plan = make_plan(build_config(base, config_files, flags + overrides))
     record = measure_training_step(plan, settings)
     keys = ("model", "image_size", "batch", "precision", "precision_mode", "device", "img_s_median", "step_ms_median")
-    return {key: record[key] for key in keys}
+    return {**{key: record[key] for key in keys}, "source": "vitrain bench's harness, synthetic data"}
 
 
 # --- running and reporting -------------------------------------------------------------------------
@@ -438,9 +438,15 @@ def measure_training_img_s(
 
 def run_bench_data(settings: DataBenchSettings, config: Config, training: Callable[[], dict] | None = None):
     """Every measurement of ``vitrain bench-data`` as one record. ``config``: the data settings of the training
-    transform; ``training``: measures the training throughput when no ``train_img_s`` is given (or None)."""
+    transform; ``training``: measures the training throughput when no ``train_img_s`` is given (or None). Bad
+    input (the folder, the model, timm missing) fails before the first measurement: training is timed first."""
     folder, samples = training_split(settings.root)
+    if settings.compare_timm:
+        from vitrain.bench.timm_reference import _import_timm
+
+        _import_timm()
     cores = usable_cores()
+    measured = None if settings.train_img_s is not None or training is None else training()
     log.info("bench-data: %d images under %s, %d usable core(s)", len(samples), folder, cores)
     storage = measure_storage([path for path, _ in samples], settings.seconds)
     rows, batch = measure_decode(folder, samples, config, settings, cores)
@@ -454,17 +460,14 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
         "machine": describe_machine(),
         "storage": storage,
         "decode": rows,
-        "training": None,
+        "training": measured,
         "verdict": None,
     }
-    train_img_s = settings.train_img_s
-    if train_img_s is None and training is not None:
-        result["training"] = training()
-        train_img_s = result["training"]["img_s_median"]
-    elif train_img_s is not None:
-        result["training"] = {"img_s_median": train_img_s, "source": "--train-img-s"}
-    if train_img_s is not None:
-        verdict = input_verdict([(row["workers"], row["img_s"]) for row in rows], train_img_s, cores)
+    if settings.train_img_s is not None:
+        result["training"] = {"img_s_median": settings.train_img_s, "source": "--train-img-s"}
+    if result["training"] is not None:
+        points = [(row["workers"], row["img_s"]) for row in rows]
+        verdict = input_verdict(points, result["training"]["img_s_median"], cores)
         result["verdict"] = {**verdict, "summary": describe_verdict(verdict)}
     return result
 
