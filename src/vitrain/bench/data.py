@@ -90,13 +90,9 @@ def parse_worker_counts(text: str) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask), as ``vitrain doctor`` counts them."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def describe_machine() -> dict[str, Any]:
-    """CPU model and cores (``vitrain doctor``'s), versions and revision (``vitrain bench``'s)."""
+    """CPU model and cores (``vitrain doctor``'s; usable: this process's affinity), versions and revision
+    (``vitrain bench``'s)."""
     cpu = {check.name: check.data for check in check_model(None)}
     return {
         "cpu_model": cpu["model"]["model"],
@@ -445,7 +441,8 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
         from vitrain.bench.timm_reference import _import_timm
 
         _import_timm()
-    cores = usable_cores()
+    machine = describe_machine()
+    cores = machine["usable_cores"]
     measured = None if settings.train_img_s is not None or training is None else training()
     log.info("bench-data: %d images under %s, %d usable core(s)", len(samples), folder, cores)
     storage = measure_storage([path for path, _ in samples], settings.seconds)
@@ -457,7 +454,7 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
         "image_size": settings.image_size,
         "batch": batch,
         "seconds_per_point": settings.seconds,
-        "machine": describe_machine(),
+        "machine": machine,
         "storage": storage,
         "decode": rows,
         "training": measured,
