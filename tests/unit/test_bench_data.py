@@ -150,14 +150,15 @@ FIO_JSON = {
 }
 
 
-def _fake_fio(folder: Path, exit_code: int = 0) -> Path:
-    """A `fio` on PATH that records its arguments and prints FIO_JSON (or fails with ``exit_code``)."""
+def _fake_fio(folder: Path, fail: bool = False) -> Path:
+    """A `fio` on PATH that records its arguments and prints FIO_JSON (``fail``: then exits 1 with an error)."""
     folder.mkdir()
     script = folder / "fio"
     script.write_text(
         f"#!{sys.executable}\nimport json, sys\n"
         f"open({str(folder / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
-        f"print(json.dumps({FIO_JSON!r}))\nsys.exit({exit_code})\n"
+        f"print(json.dumps({FIO_JSON!r}))\n"
+        f"if {fail}:\n    sys.exit('fio: no such engine')\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return folder
@@ -181,11 +182,11 @@ def test_fio_on_path_measures_storage_from_its_json(jpeg_folder, tmp_path, monke
 
 
 def test_a_failing_fio_falls_back_to_the_own_reader(jpeg_folder, tmp_path, monkeypatch):
-    fake = _fake_fio(tmp_path / "bin", exit_code=1)
+    fake = _fake_fio(tmp_path / "bin", fail=True)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     paths = sorted(str(path) for path in (jpeg_folder / "train").rglob("*.jpg"))
     storage = measure_storage(paths, 0.1)
-    assert storage["tool"] == "vitrain reader" and "exit status 1" in storage["fio_error"]
+    assert storage["tool"] == "vitrain reader" and storage["fio_error"] == "fio exit status 1: fio: no such engine"
     assert storage["cold"]["read_mb_s"] > 0
 
 

@@ -231,23 +231,37 @@ def parse_fio(output: str) -> dict[str, Any]:
     }
 
 
+def _fio_failure(error: Exception) -> str:
+    if isinstance(error, subprocess.CalledProcessError):
+        return f"fio exit status {error.returncode}: {(error.stderr or '').strip()[-300:]}"
+    return f"{type(error).__name__}: {str(error)[-300:]}"
+
+
 def measure_storage(paths: list[str], seconds: float) -> dict[str, Any]:
     """Storage bandwidth and IOPS of a sample of ``paths``: with fio when on PATH, else vitrain's reader
     (also when fio fails, with fio's error in ``fio_error``)."""
-    sample = sample_files(paths)
-    sizes = [os.path.getsize(path) for path in sample]
-    facts = {"files_in_sample": len(sample), "mean_file_kib": sum(sizes) / len(sizes) / 1024}
-    fio = shutil.which("fio")
+    fio, error = shutil.which("fio"), None
     if fio is not None:
-        fio_sample = sample_files(paths, MAX_FIO_FILES)
-        command = fio_command(fio, fio_sample, seconds)
+        sample = sample_files(paths, MAX_FIO_FILES)
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=4 * seconds + 60, check=True)
-            return {**facts, "files_in_sample": len(fio_sample), **parse_fio(done.stdout)}
-        except (OSError, subprocess.SubprocessError, ValueError, KeyError) as error:
-            log.warning("fio failed (%s); measuring with vitrain's reader", error)
-            facts["fio_error"] = str(error)[-500:]
-    return {**facts, **measure_storage_reader(sample, seconds)}
+            done = subprocess.run(
+                fio_command(fio, sample, seconds), capture_output=True, text=True, timeout=4 * seconds + 60, check=True
+            )
+            return {**_sample_facts(sample), **parse_fio(done.stdout)}
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError) as failure:
+            error = _fio_failure(failure)
+            log.warning("%s; measuring with vitrain's reader", error)
+    sample = sample_files(paths)
+    return {
+        **_sample_facts(sample),
+        **({"fio_error": error} if error else {}),
+        **measure_storage_reader(sample, seconds),
+    }
+
+
+def _sample_facts(sample: list[str]) -> dict[str, Any]:
+    sizes = [os.path.getsize(path) for path in sample]
+    return {"files_in_sample": len(sample), "mean_file_kib": sum(sizes) / len(sizes) / 1024}
 
 
 # --- decode + augment ------------------------------------------------------------------------------
