@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm_parser(commands)
     _add_plot_parser(commands)
     _add_check_data_parser(commands)
+    _add_shard_parser(commands)
     _add_doctor_parser(commands)
     _add_label_parser(commands)
     return parser
@@ -226,6 +227,17 @@ def _add_check_data_parser(commands) -> None:
         default=None,
         help="refuse images with more pixels as decompression bombs (default: data.max_image_pixels's default)",
     )
+
+
+def _add_shard_parser(commands) -> None:
+    shard = commands.add_parser(
+        "shard",
+        help="write an ImageNet-layout folder's train and val splits as WebDataset tar shards (resumable)",
+    )
+    shard.add_argument("root", type=Path, help="dataset root holding train/<class>/* and val/<class>/*")
+    shard.add_argument("--out", type=Path, required=True, help="folder for the shards, index.json and progress.json")
+    shard.add_argument("--shard-size", default="1GB", help="about this many bytes per shard (1GB, 500MB, 64KiB)")
+    shard.add_argument("--workers", type=int, default=None, help="processes writing shards (default: one per core)")
 
 
 def _add_bench_parser(commands) -> None:
@@ -709,6 +721,21 @@ def command_check_data(args: argparse.Namespace) -> int:
     return 1 if report.num_bad else 0
 
 
+def command_shard(args: argparse.Namespace) -> int:
+    from vitrain.data.shards import parse_size, shard_folder
+
+    if args.workers is not None and args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: write in this process)")
+    index = shard_folder(args.root, args.out, parse_size(args.shard_size), args.workers, progress=sys.stderr.isatty())
+    splits = index["splits"]
+    print(
+        json.dumps({split: {key: splits[split][key] for key in ("samples", "bad")} for split in splits})
+        + f"\n{sum(len(split['shards']) for split in splits.values())} shards, {index['total_bytes']} bytes in "
+        f"{args.out}; train with --set data.name=webdataset data.root={args.out}"
+    )
+    return 0
+
+
 def command_doctor(args: argparse.Namespace) -> int:
     from vitrain.doctor import format_report, run_doctor
 
@@ -754,6 +781,7 @@ COMMANDS = {
     "bench-data": command_bench_data,
     "slurm": command_slurm,
     "check-data": command_check_data,
+    "shard": command_shard,
     "doctor": command_doctor,
     "label": command_label,
     "plot": command_plot,

@@ -419,7 +419,24 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
         f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
     )
     _check_init_source(config.train)
+    _check_webdataset(config)
     profile_window(config.train.profile)
+
+
+def _check_webdataset(config: Config) -> None:
+    """What a stream of tar shards cannot do: it has no sample index to repeat or to look label maps up by."""
+    if config.data.name != "webdataset":
+        return
+    _require(
+        config.data.repeated_aug == 1,
+        f"data.repeated_aug={config.data.repeated_aug} needs indexed samples; data.name=webdataset streams its "
+        "shards: set data.repeated_aug=1 or train from the image folder (data.name=imagefolder)",
+    )
+    _require(
+        config.data.token_labels is None,
+        "data.token_labels needs indexed samples; data.name=webdataset streams its shards: train token labeling "
+        "from the image folder (data.name=imagefolder)",
+    )
 
 
 def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:

@@ -106,10 +106,12 @@ def randaugment_problem(policy: str) -> str | None:
 
 
 class DataConfig(Section):
-    name: Literal["fashion-mnist", "imagefolder", "synthetic"] = "fashion-mnist"
+    name: Literal["fashion-mnist", "imagefolder", "webdataset", "synthetic"] = "fashion-mnist"
     """Data source."""
-    root: Path | None = None
-    """Dataset folder; fashion-mnist defaults to /usr/share/datasets/fashion-mnist."""
+    root: Path | str | None = None
+    """Dataset folder; fashion-mnist defaults to /usr/share/datasets/fashion-mnist. webdataset: a folder written by
+    `vitrain shard` or the training shards' pattern (DIR/train-{000000..000127}.tar; pipe:COMMAND and URLs kept as
+    text)."""
     image_size: int = Field(28, ge=1)
     """Side of the square model input, in pixels."""
     limit_train: int | None = Field(None, ge=1)
@@ -175,10 +177,29 @@ class DataConfig(Section):
     mix_mode: Literal["batch", "pair", "elem"] = "batch"
     """Mixing parameters drawn once per batch, per pair of images, or per image (timm's modes); each image's
     partner is the one at the mirrored position of this process's batch."""
+    wds_eval_shards: str | None = None
+    """webdataset with a pattern as data.root: the evaluation shards' pattern; null: data.root's pattern with the
+    last 'train' of its file name replaced by 'val'."""
+    wds_image_keys: str = "jpg;jpeg;png;webp"
+    """webdataset: the sample entries that may hold the image (file extensions in the tar), tried in order."""
+    wds_label_key: str = "cls"
+    """webdataset: the entry holding the class index, as text (cls), or KEY:FIELD for a field of a JSON entry
+    (json:label)."""
+    wds_shuffle_buffer: int = Field(1000, ge=0)
+    """webdataset training: samples held in each loader worker's shuffle buffer (besides the per-epoch shard
+    order); 0 turns it off."""
     token_labels: Path | None = None
     """Token labeling (Jiang et al. 2021; VOLO): a folder of label maps from `vitrain label` (or the published
     per-image TokenLabeling maps) turns it on; every patch token is trained against the teacher's map cut to
     its crop (needs a model with an auxiliary head: model.aux_head=true for ViTs); null: off."""
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _keep_url_text(cls, value: object) -> object:
+        """A ``pipe:`` command or URL stays text: a path would fold its ``//``."""
+        if isinstance(value, str) and not (value.startswith("pipe:") or "://" in value):
+            return Path(value)
+        return value
 
     @field_validator("cutmix_minmax")
     @classmethod

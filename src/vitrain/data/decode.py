@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -92,6 +94,8 @@ class DecodedImage:
     """The pixels, mode RGB."""
     notes: tuple[str, ...]
     """Codes of ``ODD_NOTES`` for what was converted; empty for a plain RGB file."""
+    format: str | None = None
+    """The format Pillow found in the content (``JPEG``, ``PNG``, ...), whatever the file name says."""
 
 
 @contextlib.contextmanager
@@ -199,19 +203,37 @@ def _open_and_convert(handle, path: Path, draft_side: int | None, max_image_pixe
     if _apply_exif_orientation(image):
         notes.append("exif_rotated")
     rgb, mode_notes = _to_rgb(image)
-    return DecodedImage(rgb, tuple(mode_notes + notes))
+    return DecodedImage(rgb, tuple(mode_notes + notes), image.format)
+
+
+@contextlib.contextmanager
+def _opened(source: str | Path | bytes | BinaryIO) -> Iterator[BinaryIO]:
+    """A binary file object over a path (opened and closed here), bytes, or a caller's file object (left open)."""
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as handle:
+            yield handle
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        yield io.BytesIO(source)
+    else:
+        yield source
 
 
 def decode_image(
-    path: str | Path, draft_side: int | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    source: str | Path | bytes | BinaryIO,
+    draft_side: int | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    name: str | None = None,
 ) -> DecodedImage:
-    """Decode ``path`` to RGB (conversions listed in ``ODD_NOTES``); raise :class:`BadImage` when it
-    cannot be. ``draft_side``: JPEGs may decode at a reduced scale keeping the short side >= it."""
-    path = Path(path)
+    """Decode an image file to RGB (conversions listed in ``ODD_NOTES``); raise :class:`BadImage` when it
+    cannot be. ``source``: the file's path, its bytes (e.g. a sample of a tar shard) or a binary file object
+    positioned at its start. ``name``: the file name the content came with, whose extension is checked
+    against the content (default: the path's; bytes without a name skip that check). ``draft_side``: JPEGs
+    may decode at a reduced scale keeping the short side >= it."""
+    path = Path(name if name is not None else source if isinstance(source, (str, Path)) else "")
     header = b""
     try:
         # we own the file object, so Pillow does not close the loaded image with it: no copy needed
-        with open(path, "rb") as handle:
+        with _opened(source) as handle:
             header = handle.read(16)
             if not header:
                 raise BadImage("empty", "0 bytes")

@@ -234,17 +234,20 @@ class BadImageLog:
 
     EXAMPLES = 3
 
-    def __init__(self, samples: list[tuple[str, int]], max_fraction: float, split: str):
+    def __init__(self, samples: list[tuple[str, int]], max_fraction: float, split: str, total: int | None = None):
         self.samples, self.max_fraction, self.split = samples, max_fraction, split
+        self.total = len(samples) if total is None else total  # the denominator of the bad fraction
         self.bad: dict[str, tuple[str, str]] = {}
 
-    def record(self, events: list[BadEvent]) -> None:
+    def record(self, events: list[BadEvent] | list[tuple[str, str, str]]) -> None:
+        """Log and count bad samples, each ``(index into samples, reason, detail)`` or ``(name, reason, detail)``
+        where the loader has no sample list (shards: ``url#key``)."""
         for index, reason, detail in events:
-            path = self.samples[index][0]
+            path = index if isinstance(index, str) else self.samples[index][0]
             if path not in self.bad:
                 self.bad[path] = (reason, detail)
                 log.warning("bad %s image skipped: %s (%s: %s)", self.split, path, reason, detail)
-        if len(self.bad) > self.max_fraction * len(self.samples):
+        if len(self.bad) > self.max_fraction * self.total:
             raise TooManyBadImages(self.describe_abort())
 
     def counts(self) -> dict[str, int]:
@@ -263,11 +266,11 @@ class BadImageLog:
             f"{reason} {len(paths)} (e.g. {', '.join(paths[: self.EXAMPLES])})" for reason, paths in examples.items()
         )
         if no_image_decodes:
-            headline = f"none of the {len(self.samples)} {self.split} images decodes"
+            headline = f"none of the {self.total} {self.split} images decodes"
         else:
             headline = (
-                f"{len(self.bad)} of the {len(self.samples)} {self.split} images cannot be decoded "
-                f"({100 * len(self.bad) / len(self.samples):.1f}% > data.max_bad_fraction={self.max_fraction:g})"
+                f"{len(self.bad)} of the {self.total} {self.split} images cannot be decoded "
+                f"({100 * len(self.bad) / max(self.total, 1):.1f}% > data.max_bad_fraction={self.max_fraction:g})"
             )
         return (
             f"data.root: {headline}: {listing}; list them all with `vitrain check-data <data.root>` and repair "
@@ -468,6 +471,10 @@ def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
 def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
     """Train and eval loaders for the plan's data source."""
     config = data.source
+    if config.name == "webdataset":
+        from vitrain.data.shards import build_shard_loaders  # it builds on this module
+
+        return build_shard_loaders(data)
     if config.name == "imagefolder":
         root = Path(sources.image_folder_root(config))
         train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]

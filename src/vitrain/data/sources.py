@@ -230,6 +230,12 @@ def describe_source(config: DataConfig) -> DatasetInfo:
                 f"data.root: no images found under {root}/train or {root}/val (extensions {IMAGE_EXTENSIONS})"
             )
         sizes = (len(train), len(evaluation), len(classes), 3, IMAGENET_MEAN, IMAGENET_STD)
+    elif config.name == "webdataset":
+        from vitrain.data.shards import shard_source  # it builds on this module
+
+        # index.json's counts and classes; shards without one are read once to count them
+        shards = shard_source(config)
+        sizes = (shards.train.num_samples, shards.eval.num_samples, shards.num_classes, 3, IMAGENET_MEAN, IMAGENET_STD)
     else:
         sizes = (
             config.synthetic_num_train,
