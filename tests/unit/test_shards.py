@@ -17,6 +17,7 @@ from vitrain.cli import main
 from vitrain.config import ConfigError, World
 from vitrain.data import build_loaders, describe_source
 from vitrain.data import shards as shards_module
+from vitrain.data.loader import TooManyBadImages
 from vitrain.data.shards import read_shard, shard_folder, worker_batches
 from vitrain.train import make_plan
 
@@ -259,3 +260,19 @@ def test_bad_shard_input_stops_before_training_with_the_file_and_a_fix(
     shards_module._cached_source.cache_clear()
     monkeypatch.setitem(sys.modules, "webdataset", None)
     assert "pip install 'vitrain[webdataset]'" in run(sharded)
+
+
+def test_pipe_commands_read_shards_and_a_split_without_decodable_images_stops(sharded, tmp_path):
+    last = {prefix: len(list(sharded.glob(f"{prefix}-*.tar"))) - 1 for prefix in ("train", "val")}
+    train_pattern = f"pipe:cat {sharded}/train-{{000000..{last['train']:06d}}}.tar"
+    eval_pattern = f"pipe:cat {sharded}/val-{{000000..{last['val']:06d}}}.tar"
+    config = make_config(*_overrides(train_pattern, f"data.wds_eval_shards={eval_pattern}", "data.max_bad_fraction=1"))
+    assert isinstance(config.data.root, str)  # kept as text, not folded into a path
+    assert describe_source(config.data).num_eval == NUM_VAL
+    train, evaluation = build_loaders(make_plan(config).data)
+    assert sum(len(labels) for _, labels in evaluation) == NUM_VAL
+    assert sum(len(labels) for _, labels in train) == (NUM_TRAIN // 4) * 4
+    train.data.source.wds_image_keys = "gif"  # no sample has an image the loader looks for
+    with pytest.raises(TooManyBadImages, match="none of the 21 training images decodes"):
+        list(train)
+    assert train.bad_images.counts() == {"no_image": NUM_TRAIN}

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import random
 import re
@@ -41,7 +42,7 @@ from tqdm import tqdm
 from vitrain.config import ConfigError, DataConfig, DataPlan
 from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
-from vitrain.data.loader import BadImageLog, derive_seed, draft_size, epoch_permutation
+from vitrain.data.loader import BadImageLog, TooManyBadImages, derive_seed, draft_size, epoch_permutation
 from vitrain.data.transforms import build_eval_transform, build_train_transform, seeded_sample_rngs
 
 INDEX_NAME = "index.json"
@@ -54,6 +55,7 @@ SHUFFLE_SEED = 0
 SAMPLE_OVERHEAD_BYTES = 2048
 """Tar bytes per sample besides the image (three 512-byte headers, the cls and json entries, padding)."""
 FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tiff"}
+log = logging.getLogger("vitrain")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -365,6 +367,9 @@ def _find_source(config: DataConfig) -> ShardSource:
         train_pattern = str(root)
         train_urls = expand_pattern(train_pattern, "data.root")
         eval_urls = expand_pattern(_eval_pattern(config, train_pattern), "data.wds_eval_shards")
+    log.info(
+        "data.root %s has no %s: reading its %d shards to count them", root, INDEX_NAME, len(train_urls + eval_urls)
+    )
     (train, top), (evaluation, _) = _count_shards(train_urls, config), _count_shards(eval_urls, config)
     if top < 0:
         raise ConfigError(
@@ -501,8 +506,8 @@ def _stream_samples(urls: list[str], keep: Callable[[int], bool]) -> Iterator[tu
 
 
 def _passes(urls: list[str], keep: Callable[[int], bool], buffer: int, rng: random.Random) -> Iterator:
-    """Shuffled passes over the samples, over and over (until a pass has none): a stream whose shards fall short
-    of its share starts them over, and only after its last sample of the pass."""
+    """Shuffled passes over the samples, each followed by None, over and over (until a pass has none): a stream
+    whose shards fall short of its share starts them over, and only after its last sample of the pass."""
     while True:
         kept = 0
         for item in _shuffled(_stream_samples(urls, keep), buffer, rng):
@@ -510,6 +515,7 @@ def _passes(urls: list[str], keep: Callable[[int], bool], buffer: int, rng: rand
             yield item
         if not kept:
             return
+        yield None
 
 
 def deal_shards(order: list[int], counts: tuple[int, ...], needs: list[int]) -> list[list[int]]:
@@ -566,39 +572,49 @@ def _in_batches_of(running: int, batch: int, rank: int, ranks: int, stream: int,
     return (running % global_batch) // batch == rank and (running // global_batch) % workers == stream
 
 
-def _train_batches(spec: StreamSpec, worker: int, workers: int) -> Iterator[tuple]:
-    # The DataLoader takes batches from its workers in turn, starting with worker 0: a resumed epoch renumbers
-    # them so that worker 0 plays the stream whose batch is due next.
-    stream = (worker + spec.start_batch) % workers
-    total = spec.batches // workers + (stream < spec.batches % workers)
-    taken = spec.start_batch // workers + (stream < spec.start_batch % workers)
+def _stream_shards(spec: StreamSpec, stream: int, workers: int) -> tuple[list[str], Callable[[int], bool]]:
+    """The shards a training stream reads this epoch and which of their samples it keeps."""
     order = epoch_permutation(len(spec.shards.urls), spec.seed, spec.epoch).tolist()
     if len(order) >= spec.ranks * workers:
         needs = [(spec.batches // workers + (other < spec.batches % workers)) * spec.batch for other in range(workers)]
         dealt = deal_shards(order, spec.shards.counts, needs * spec.ranks)[spec.rank * workers + stream]
-        urls, keep = [spec.shards.urls[i] for i in dealt], _keep_all
-    else:  # fewer shards than streams: every stream reads them all and keeps the samples of its batches
-        urls = [spec.shards.urls[i] for i in order]
-        keep = functools.partial(_in_batches_of, batch=spec.batch, rank=spec.rank, ranks=spec.ranks, stream=stream)
-        keep = functools.partial(keep, workers=workers)
+        return [spec.shards.urls[i] for i in dealt], _keep_all
+    # fewer shards than streams: every stream reads them all and keeps the samples of its batches
+    keep = functools.partial(_in_batches_of, batch=spec.batch, rank=spec.rank, ranks=spec.ranks, stream=stream)
+    return [spec.shards.urls[i] for i in order], functools.partial(keep, workers=workers)
+
+
+def _train_batches(spec: StreamSpec, worker: int, workers: int) -> Iterator[tuple]:
+    # The DataLoader takes batches from its workers in turn, starting with worker 0: a resumed epoch renumbers
+    # them so that worker 0 plays the stream whose batch is due next.
+    stream = (worker + spec.start_batch) % workers
+    remaining = spec.batches // workers + (stream < spec.batches % workers)
+    taken = spec.start_batch // workers + (stream < spec.start_batch % workers)
     rng = random.Random(derive_seed(spec.seed, spec.epoch, spec.rank, stream))
-    samples = _passes(urls, keep, spec.buffer, rng)
-    skip, position, batcher = taken * spec.batch, 0, _Batcher(spec.batch)
-    for _ in range(total - taken):
-        for name, sample in samples:
-            if name in spec.known_bad:
-                continue
-            position += 1
-            if position <= skip:  # replaying what a resumed epoch already took: no decoding
-                continue
-            result = _decode_sample(spec, name, sample, derive_seed(spec.seed, spec.epoch, spec.rank, stream, position))
-            position -= len(result) == 3
-            if batcher.add(name, result):
+    samples = _passes(*_stream_shards(spec, stream, workers), spec.buffer, rng)
+    remaining, skip, position, batcher, useful = remaining - taken, taken * spec.batch, 0, _Batcher(spec.batch), False
+    for item in samples if remaining > 0 else ():
+        if item is None:  # the end of a pass: go on only if it held a usable sample
+            if not useful:
                 break
-        else:  # the shards hold no more decodable samples
+            useful = False
+            continue
+        name, sample = item
+        if name in spec.known_bad:
+            continue
+        position += 1
+        if position <= skip:  # replaying what a resumed epoch already took: no decoding
+            useful = True
+            continue
+        result = _decode_sample(spec, name, sample, derive_seed(spec.seed, spec.epoch, spec.rank, stream, position))
+        useful = useful or len(result) == 2
+        position -= len(result) == 3
+        if batcher.add(name, result):
             yield batcher.take()
-            return
-        yield batcher.take()
+            remaining -= 1
+            if not remaining:
+                return
+    yield None, None, batcher.take()[2], []  # no decodable samples left: the events, no partial batch
 
 
 def _eval_batches(spec: StreamSpec, worker: int, workers: int) -> Iterator[tuple]:
@@ -702,11 +718,15 @@ class ShardLoader:
             pin_memory=self.data.device.startswith("cuda"),
             prefetch_factor=4 if workers > 0 else None,
         )
+        yielded = 0
         for images, labels, events, _ in loader:
             if events:
                 self.bad_images.record(events)  # raises past data.max_bad_fraction
             if images is not None:
+                yielded += 1
                 yield images, labels
+        if self.train and not yielded and len(self) > self.start_sample // self.batch_size:
+            raise TooManyBadImages(self.bad_images.describe_abort(no_image_decodes=True))
 
 
 def build_shard_loaders(data: DataPlan) -> tuple[ShardLoader, ShardLoader]:
