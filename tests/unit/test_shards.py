@@ -13,6 +13,8 @@ import torch
 from PIL import Image
 
 from tests.conftest import make_config
+from vitrain.checkpoint import find_latest_checkpoint
+from vitrain.checkpoint.sharded import read_checkpoint_model
 from vitrain.cli import main
 from vitrain.config import ConfigError, World
 from vitrain.data import build_loaders, describe_source
@@ -148,6 +150,8 @@ def test_training_and_evaluation_from_shards(sharded, tmp_path, one_thread):
     assert summary["images_seen"] == 2 * (NUM_TRAIN // 4) * 4
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [record["num_samples"] for record in records if record["event"] == "eval"][-1] == NUM_VAL
+    info = read_checkpoint_model(find_latest_checkpoint(out_dir))[1]
+    assert info["plan"]["class_names"] == list(CLASSES)  # from index.json, for vitrain predict
 
 
 def _names_per_rank(root: Path, workers: int, *extra: str) -> tuple[list[list[str]], list[list[str]]]:

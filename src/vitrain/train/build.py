@@ -196,8 +196,13 @@ def _agree_across_processes(skipped: torch.Tensor) -> torch.Tensor:
 
 
 def _class_names_record(data: DataPlan) -> dict[str, list[str]]:
-    """An image folder's class names in index order, kept in every checkpoint so that ``vitrain predict``
-    names the classes without the data; the built-in sources' names need no record."""
+    """An image folder's (or its shards' index's) class names in index order, kept in every checkpoint so that
+    ``vitrain predict`` names the classes without the data; the built-in sources' names need no record."""
+    if data.source.name == "webdataset":
+        from vitrain.data.shards import shard_source
+
+        classes = shard_source(data.source).classes  # None: shards without an index
+        return {"class_names": list(classes)} if classes else {}
     if data.source.name != "imagefolder":
         return {}
     return {"class_names": image_folder_samples(Path(image_folder_root(data.source)), "train")[1]}
