@@ -4,6 +4,7 @@ rank and worker split, exact resume within an epoch, bad input)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import make_config
+from tests.conftest import assert_same_training_state, make_config
 from vitrain.checkpoint import find_latest_checkpoint
 from vitrain.checkpoint.sharded import read_checkpoint_model
 from vitrain.cli import main
@@ -282,3 +283,24 @@ def test_pipe_commands_read_shards_and_a_split_without_decodable_images_stops(sh
     with pytest.raises(TooManyBadImages, match="none of the 21 training images decodes"):
         list(train)
     assert train.bad_images.counts() == {"no_image": NUM_TRAIN}
+
+
+def test_training_resumed_within_an_epoch_ends_bitwise_equal(sharded, tmp_path, one_thread):
+    from vitrain.train import train
+
+    overrides = _overrides(sharded, "data.num_workers=2", "train.epochs=2", "train.log_every_steps=5")
+    straight = make_plan(
+        make_config(
+            *overrides, "checkpoint.every_steps=1", "checkpoint.keep_last=100", f"train.out_dir={tmp_path / 'a'}"
+        )
+    )
+    train(straight)
+    final = find_latest_checkpoint(straight.out_dir)
+    for step in (3, 7):  # mid-epoch, each at an odd batch of the two workers
+        folder = tmp_path / f"from-{step}"
+        (folder / "checkpoints").mkdir(parents=True)
+        shutil.copy(straight.out_dir / "checkpoints" / f"step-{step:09d}.pt", folder / "checkpoints")
+        train(make_plan(make_config(*overrides, f"train.out_dir={folder}")), resume="auto")
+        resumed = find_latest_checkpoint(folder)
+        assert resumed.name == final.name
+        assert_same_training_state(resumed, final)
