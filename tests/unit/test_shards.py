@@ -111,10 +111,14 @@ def test_a_half_written_sharding_resumes_without_rewriting_finished_shards(image
         shard_folder(image_root, out, shard_bytes=8000, workers=0)
 
 
-def test_shard_command_writes_shards_in_worker_processes_and_rejects_a_bad_size(image_root, tmp_path, capsys):
-    assert (
-        main(["shard", str(image_root), "--out", str(tmp_path / "out"), "--shard-size", "4KB", "--workers", "2"]) == 0
-    )
+def test_shard_command_writes_shards_in_worker_processes_and_rejects_a_bad_size(image_root, tmp_path, capsys, caplog):
+    argv = ["shard", str(image_root), "--out", str(tmp_path / "out"), "--shard-size", "4KB", "--workers", "2"]
+    with caplog.at_level("WARNING", logger="vitrain"):
+        assert main(argv) == 0
+    detail = json.loads((tmp_path / "out" / "index.json").read_text())["splits"]["train"]["bad_files"][0][2]
+    assert [message for message in caplog.messages if "left out" in message] == [
+        f"bad image left out of the shards: {image_root / 'train/dog/broken.jpg'} (unreadable: {detail})"
+    ]
     assert f'"samples": {NUM_TRAIN}' in capsys.readouterr().out
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     assert index["splits"]["val"]["samples"] == NUM_VAL and len(index["splits"]["train"]["shards"]) > 2

@@ -224,6 +224,8 @@ def shard_folder(
         for task, record in _run_tasks(todo, write, (os.cpu_count() or 1) if workers is None else workers):
             done[record["name"]] = record
             write_json_atomically(out / PROGRESS_NAME, {"plan": plan, "shards": done})
+            for path, reason, detail in record["bad"]:
+                log.warning("bad image left out of the shards: %s (%s: %s)", root / path, reason, detail)
             bar.update(len(task.samples))
     index = {"format": SHARD_FORMAT, "classes": classes}
     index["splits"] = {SPLIT_PREFIXES[split]: _split_index(tasks[split], done) for split in SPLIT_PREFIXES}
