@@ -308,3 +308,17 @@ def test_training_resumed_within_an_epoch_ends_bitwise_equal(sharded, tmp_path, 
         resumed = find_latest_checkpoint(folder)
         assert resumed.name == final.name
         assert_same_training_state(resumed, final)
+
+
+def test_doctor_checks_the_shards_of_the_config(sharded, tmp_path):
+    from types import SimpleNamespace
+
+    from vitrain.doctor.environment import check_data
+
+    def check(root) -> tuple[str, str]:
+        (result,) = check_data(SimpleNamespace(config=make_config(*_overrides(root))))
+        return result.status, result.value
+
+    assert check(sharded) == ("PASS", f"webdataset at {sharded} (recipe custom)")
+    status, value = check(f"{tmp_path}/train-{{0..3}}.tar")
+    assert status == "FAIL" and "matches no file" in value

@@ -96,6 +96,11 @@ def _data_root(data) -> Path | None:
         return fashion_mnist_root(data)
     if data.name == "imagefolder":
         return image_folder_root(data)
+    if data.name == "webdataset":
+        from vitrain.data.shards import shard_source
+
+        first = shard_source(data).train.urls[0]  # ConfigError when the shards are missing or incomplete
+        return Path(first).parent if Path(first).is_file() else None
     return None
 
 
@@ -110,7 +115,8 @@ def check_data(context: Context) -> list[Check]:
         )
         return [Check(SECTION, "data", "FAIL", f"{data.name}: {error}", fix, facts)]
     if root is None:
-        return [Check(SECTION, "data", "PASS", f"{data.name}: generated in memory, nothing to read", data=facts)]
+        what = "shards streamed from a command or URL" if data.name == "webdataset" else "generated in memory"
+        return [Check(SECTION, "data", "PASS", f"{data.name}: {what}, nothing to read", data=facts)]
     facts["root"] = str(root)
     if not os.access(root, os.R_OK | os.X_OK):
         fix = f"make {root} readable by this user (chmod/chown), or set data.root to a readable copy"
