@@ -153,6 +153,7 @@ def test_training_and_evaluation_from_shards(sharded, tmp_path, one_thread):
     assert main(argv) == 0
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["images_seen"] == 2 * (NUM_TRAIN // 4) * 4
+    assert summary["mean_read_mb_s"] > 0 and summary["mean_files_s"] > 0  # the image entries decoded
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [record["num_samples"] for record in records if record["event"] == "eval"][-1] == NUM_VAL
     info = read_checkpoint_model(find_latest_checkpoint(out_dir))[1]
@@ -167,7 +168,7 @@ def _names_per_rank(root: Path, workers: int, *extra: str) -> tuple[list[list[st
         for loader, taken in zip(build_loaders(plan.data), (train, evaluation), strict=True):
             spec = loader.stream_spec()
             batches = [batch for worker in range(workers) for batch in worker_batches(spec, worker, workers)]
-            taken.append([name for *_, names in batches for name in names])
+            taken.append([name for _, _, _, names, _ in batches for name in names])
             if loader.train:
                 assert all(len(labels) == 2 for _, labels, *_ in batches) and len(batches) == len(loader)
     return train, evaluation

@@ -42,7 +42,14 @@ from tqdm import tqdm
 from vitrain.config import ConfigError, DataConfig, DataPlan
 from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
-from vitrain.data.loader import BadImageLog, TooManyBadImages, derive_seed, draft_size, epoch_permutation
+from vitrain.data.loader import (
+    BadImageLog,
+    ReadCounts,
+    TooManyBadImages,
+    derive_seed,
+    draft_size,
+    epoch_permutation,
+)
 from vitrain.data.transforms import build_eval_transform, build_train_transform, seeded_sample_rngs
 
 INDEX_NAME = "index.json"
@@ -460,8 +467,9 @@ class StreamSpec:
     replays its streams)."""
 
 
-def _decode_sample(spec: StreamSpec, name: str, sample: dict[str, Any], seed: int) -> tuple[torch.Tensor, int] | tuple:
-    """``(image tensor, label)``, or the bad event ``(name, reason, detail)`` of a sample that has none."""
+def _decode_sample(spec: StreamSpec, name: str, sample: dict[str, Any], seed: int) -> tuple:
+    """``(image tensor, label, bytes of the image entry)``, or the bad event ``(name, reason, detail)`` of a sample
+    that has none (:func:`_is_bad` tells them apart)."""
     if "__error__" in sample:
         return name, "unreadable_shard", f"{sample['__error__']}; copy or write the shard again"
     key = next((key for key in spec.image_keys if key in sample), None)
@@ -476,7 +484,11 @@ def _decode_sample(spec: StreamSpec, name: str, sample: dict[str, Any], seed: in
     except BadImage as error:
         return name, error.reason, error.detail
     with seeded_sample_rngs(seed):
-        return spec.transform(decoded.image), label
+        return spec.transform(decoded.image), label, len(sample[key])
+
+
+def _is_bad(result: tuple) -> bool:
+    return isinstance(result[0], str)
 
 
 def _shuffled(items: Iterator, size: int, rng: random.Random) -> Iterator:
@@ -537,24 +549,26 @@ class _Batcher:
 
     def __init__(self, size: int):
         self.size = size
-        self.images, self.labels, self.events, self.names = [], [], [], []
+        self.images, self.labels, self.events, self.names, self.bytes_read = [], [], [], [], 0
 
     def add(self, name: str, result: tuple) -> bool:
         """Add a decoded sample or a bad event; True when the batch is full."""
-        if len(result) == 3:
+        if _is_bad(result):
             self.events.append(result)
             return False
         self.images.append(result[0])
         self.labels.append(result[1])
+        self.bytes_read += result[2]
         self.names.append(name)
         return len(self.images) == self.size
 
     def take(self) -> tuple:
-        """``(images or None, labels or None, bad events, sample names)``, and start a new batch."""
+        """``(images or None, labels or None, bad events, sample names, ReadCounts)``, and start a new batch; the
+        read counts are the bytes of the image entries decoded and their number."""
         images = torch.stack(self.images) if self.images else None
         labels = torch.tensor(self.labels, dtype=torch.int64) if self.labels else None
-        batch = images, labels, self.events, self.names
-        self.images, self.labels, self.events, self.names = [], [], [], []
+        batch = images, labels, self.events, self.names, (self.bytes_read, len(self.images))
+        self.images, self.labels, self.events, self.names, self.bytes_read = [], [], [], [], 0
         return batch
 
 
@@ -609,14 +623,14 @@ def _train_batches(spec: StreamSpec, worker: int, workers: int) -> Iterator[tupl
             useful = True
             continue
         result = _decode_sample(spec, name, sample, derive_seed(spec.seed, spec.epoch, spec.rank, stream, position))
-        useful = useful or len(result) == 2
-        position -= len(result) == 3
+        useful = useful or not _is_bad(result)
+        position -= _is_bad(result)
         if batcher.add(name, result):
             yield batcher.take()
             remaining -= 1
             if not remaining:
                 return
-    yield None, None, batcher.take()[2], []  # no decodable samples left: the events, no partial batch
+    yield None, None, batcher.take()[2], [], (0, 0)  # no decodable samples left: the events, no partial batch
 
 
 def _eval_batches(spec: StreamSpec, worker: int, workers: int) -> Iterator[tuple]:
@@ -662,6 +676,7 @@ class ShardLoader:
         self.num_samples = min(self.shards.num_samples, limit or self.shards.num_samples)
         split = "training" if train else "evaluation"
         self.bad_images = BadImageLog([], data.source.max_bad_fraction, split, total=self.num_samples)
+        self.read_counts: ReadCounts = (0, 0)  # image bytes decoded, images decoded: the loop's read_mb_s, files_s
         self.epoch, self.start_sample, self.image_size, self.batch_size = 0, 0, 0, 0
         self.configure(data.source.image_size, data.batch.global_batch if train else data.batch.eval_batch)
 
@@ -721,7 +736,8 @@ class ShardLoader:
             prefetch_factor=4 if workers > 0 else None,
         )
         yielded = 0
-        for images, labels, events, _ in loader:
+        for images, labels, events, _, (num_bytes, num_samples) in loader:
+            self.read_counts = (self.read_counts[0] + num_bytes, self.read_counts[1] + num_samples)
             if events:
                 self.bad_images.record(events)  # raises past data.max_bad_fraction
             if images is not None:
