@@ -259,6 +259,9 @@ def test_bad_shard_input_stops_before_training_with_the_file_and_a_fix(
 
     assert "matches no file" in run(f"{tmp_path}/nothing-{{000..009}}.tar")
     assert "data.repeated_aug=3 needs indexed samples" in run(sharded, "data.repeated_aug=3")
+    label = ["label", "--teacher", str(tmp_path / "teacher.safetensors"), "--out", str(tmp_path / "maps")]
+    assert main([*label, *[item for o in _overrides(sharded) for item in ("--set", o)]]) == 2
+    assert "vitrain label needs indexed samples" in capsys.readouterr().err
     assert "data.wds_image_keys='jpg;png'" in run(sharded, "data.wds_image_keys=jpg")  # the index lists png too
     (tmp_path / "part-0.tar").write_bytes((sharded / "train-000000.tar").read_bytes())
     assert "set data.wds_eval_shards" in run(f"{tmp_path}/part-{{0..0}}.tar")  # no 'train' to make 'val' of

@@ -425,6 +425,11 @@ def label_training_set(plan: Plan, settings: LabelSettings) -> dict[str, Any]:
     """Label maps of the plan's training split in ``settings.out`` (resuming a folder left unfinished), checked;
     returns the report: images, shards, bytes, seconds, images/s (over all ranks)."""
     _check_settings(settings)
+    if plan.data.source.name == "webdataset":
+        raise ConfigError(
+            "vitrain label needs indexed samples; data.name=webdataset streams its shards: label the image "
+            "folder they were written from (data.name=imagefolder)"
+        )
     teacher = _load_labeling_teacher(plan, settings)
     image_size = settings.image_size or teacher_input_size(teacher, plan.data.source.image_size)
     labeler = DenseLabeler(teacher, settings.k, plan.data.mean, plan.data.std, plan.precision)
