@@ -39,7 +39,8 @@ def read_vitrain_weights(path: Path, kind: SourceKind) -> tuple[dict[str, torch.
 
     if not path.exists():
         raise WeightsSourceError(
-            f"{path} does not exist; give a run folder, a checkpoint, a .safetensors file or a timm model"
+            f"checkpoint {path} does not exist; give a run folder, a step-*.pt file or sharded step-* folder, a "
+            ".safetensors file or a timm model"
         )
     if kind == "safetensors":
         from safetensors import SafetensorError, safe_open
