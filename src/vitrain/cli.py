@@ -307,6 +307,15 @@ def _add_bench_data_parser(commands) -> None:
     bench.add_argument("--train-img-s", type=float, help="a measured training img/s to judge against (not --model)")
     bench.add_argument("--compare-timm", action="store_true", help="also time timm's loader at each worker count")
     bench.add_argument(
+        "--backend",
+        default="pillow",
+        help="loaders to time, comma-separated: pillow (image files), shards (tar shards), dali (DALI CPU pipeline); "
+        "the verdict judges the first (default pillow)",
+    )
+    bench.add_argument(
+        "--shards", type=Path, help="the root's shards from `vitrain shard` (default: written to a temp folder)"
+    )
+    bench.add_argument(
         "--recipe", default=None, help="recipe whose data augmentation (and model settings) apply (default: defaults)"
     )
     _add_config_arguments(bench, with_recipe=False)
@@ -616,6 +625,7 @@ def command_bench_data(args: argparse.Namespace) -> int:
         DataBenchSettings,
         format_report,
         measure_training_img_s,
+        parse_backends,
         parse_worker_counts,
         plot_decode,
         run_bench_data,
@@ -633,6 +643,8 @@ def command_bench_data(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         compare_timm=args.compare_timm,
         train_img_s=args.train_img_s,
+        backends=parse_backends(args.backend),
+        shards=args.shards,
     )
     base = get_recipe(args.recipe) if args.recipe else Config()
     training = None

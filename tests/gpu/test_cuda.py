@@ -263,3 +263,26 @@ def test_profile_on_cuda_traces_kernels_and_snapshots_memory(tmp_path):
     with open(profile["memory_snapshot"], "rb") as handle:
         assert pickle.load(handle)["segments"]  # the CUDA caching allocator's segments, with their blocks
     assert "self_cuda_time_total" in Path(profile["ops"]).read_text()
+
+
+def test_dali_decodes_on_the_gpu_like_its_cpu_pipeline(tmp_path):
+    """data.backend=dali on CUDA (nvJPEG, the `mixed` decoder): CUDA batches, the CPU pipeline's labels batch by
+    batch, and evaluation images within 3 levels of 255 per image and channel mean (two JPEG decoders)."""
+    pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install 'vitrain[dali]')")
+    from tests.unit.test_dali import _overrides, _smooth
+    from vitrain.data import build_loaders
+
+    for split, count in (("train", 6), ("val", 2)):
+        for name in ("a", "b"):
+            (tmp_path / split / name).mkdir(parents=True)
+            for index in range(count):
+                _smooth(index + 10 * len(name), 60, 80).save(tmp_path / split / name / f"{index}.jpg", quality=95)
+    loaders = {}
+    for device in ("cuda", "cpu"):
+        loaders[device] = build_loaders(make_plan(make_config(*_overrides(tmp_path, f"train.device={device}"))).data)
+    gpu_batches, cpu_batches = list(loaders["cuda"][0]), list(loaders["cpu"][0])
+    assert all(images.is_cuda and images.dtype == torch.uint8 for images, _ in gpu_batches)
+    assert [labels.tolist() for _, labels in gpu_batches] == [labels.tolist() for _, labels in cpu_batches]
+    gpu_eval = torch.cat([images.cpu() for images, _ in loaders["cuda"][1]]).float()
+    cpu_eval = torch.cat([images for images, _ in loaders["cpu"][1]]).float()
+    assert torch.allclose(gpu_eval.mean((2, 3)), cpu_eval.mean((2, 3)), atol=3.0)

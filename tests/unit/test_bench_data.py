@@ -77,6 +77,32 @@ def test_command_writes_every_figure_with_positive_rates_and_a_plot(jpeg_folder,
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_every_backend_is_timed_on_the_same_images_and_shards_open_fewer_files(jpeg_folder, tmp_path):
+    pytest.importorskip("webdataset", reason="the shards backend needs webdataset (the [webdataset] extra)")
+    pytest.importorskip("nvidia.dali", reason="the dali backend needs NVIDIA DALI (the [dali] extra)")
+    out = tmp_path / "data.json"
+    argv = ["bench-data", str(jpeg_folder), "--workers", "1", "--image-size", "16", "--batch", "4"]
+    argv += ["--seconds", "0.2", "--backend", "dali,pillow,shards", "--train-img-s", "50", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = result["decode"]
+    assert [row["backend"] for row in rows] == result["backends"] == ["dali", "pillow", "shards"]
+    for row in rows:
+        assert row["img_s"] > 0 and row["files_s"] > 0 and row["read_mb_s"] > 0 and row["workers"] == 1
+    # each backend reads the images' own bytes: the same bytes per image, whatever the backend
+    per_image = [row["read_mb_s"] / row["files_s"] for row in rows]
+    assert max(per_image) == pytest.approx(min(per_image), rel=0.35)
+    assert result["files_per_epoch"]["pillow"] == result["files_per_epoch"]["dali"] == 2 * NUM_PER_CLASS
+    assert result["files_per_epoch"]["shards"] == 1  # 24 small JPEGs fit one shard
+    assert [point["workers"] for point in result["verdict"]["points"]] == [1]  # judged on the first backend
+    assert result["verdict"]["points"][0]["img_s"] == rows[0]["img_s"]
+
+
+def test_unknown_backends_are_refused(jpeg_folder, capsys):
+    assert main(["bench-data", str(jpeg_folder), "--backend", "pillow,turbo"]) == 2
+    assert "--backend 'pillow,turbo': give backends among pillow, shards, dali" in capsys.readouterr().err
+
+
 def test_model_and_precision_measure_the_training_rate_for_the_verdict(jpeg_folder, tmp_path):
     out = tmp_path / "data.json"
     argv = ["bench-data", str(jpeg_folder / "train"), "--workers", "0", "--image-size", "14", "--batch", "4"]

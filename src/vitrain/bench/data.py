@@ -11,17 +11,22 @@ Three measurements on the training split of an ImageNet-layout folder (or one sp
    ``posix_fadvise(POSIX_FADV_DONTNEED)``; the record says whether the kernel accepted it. The call is
    advice (pages another process maps, dirty pages, or a network filesystem's own cache can stay), so for
    a certain cold read drop the caches as root first (``sync; echo 3 > /proc/sys/vm/drop_caches``).
-2. Decode + augment: img/s of training's own loader (:class:`~vitrain.data.loader.FileLoader`: the same
-   dataset, transform, collate and worker settings) at each worker count, after a warm-up of one batch per
-   worker, time-boxed per point; per worker-core (img/s over min(workers, cores), 0 workers: one core).
-   With ``--compare-timm``, timm's loader (``create_dataset`` + ``create_loader``, the equivalent training
-   transform, no prefetcher) at the same points, and the ratio vitrain / timm.
+2. Decode + augment: img/s of training's own loaders at each worker count, after a warm-up of one batch per
+   worker, time-boxed per point; per worker-core (img/s over min(workers, cores), 0 workers: one core). The
+   backends (``--backend``): ``pillow``, the image folder through :class:`~vitrain.data.loader.FileLoader`
+   (the same dataset, transform, collate and worker settings as training); ``shards``, the same images as tar
+   shards through :class:`~vitrain.data.shards.ShardLoader` (``--shards DIR`` from ``vitrain shard``, else
+   written to a temporary folder first); ``dali``, the image folder through DALI's CPU pipeline
+   (:class:`~vitrain.data.dali.DaliFileLoader`, workers as its threads). With ``--compare-timm``, timm's loader
+   (``create_dataset`` + ``create_loader``, the equivalent training transform, no prefetcher) at the same
+   worker counts, and each backend's ratio to it.
 3. The verdict against a training throughput (given, or measured with ``vitrain bench``'s harness):
    input-bound or not at each worker count, and the workers it takes not to be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -30,6 +35,7 @@ import math
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +60,8 @@ MAX_SAMPLE_FILES = 2000
 MAX_FIO_FILES = 256
 """Files given to fio (its command line lists them)."""
 CACHE_DROP = "posix_fadvise(POSIX_FADV_DONTNEED)"
+SHARD_BYTES = 256 * 10**6
+"""Shard size when bench-data writes the shards itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,10 @@ class DataBenchSettings:
     compare_timm: bool = False
     train_img_s: float | None = None
     """A measured training throughput to judge against (or None)."""
+    backends: tuple[str, ...] = ("pillow",)
+    """Loaders to time (``BACKENDS``); the verdict judges the first."""
+    shards: Path | None = None
+    """The root's shards (``vitrain shard``) for the shards backend; None: written to a temporary folder."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--image-size", self.image_size), ("--batch", self.batch)):
@@ -77,6 +89,18 @@ class DataBenchSettings:
         for flag, value in (("--seconds", self.seconds), ("--train-img-s", self.train_img_s)):
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} {value}: must be > 0")
+
+
+BACKENDS = ("pillow", "shards", "dali")
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """``"pillow,dali"`` -> ``("pillow", "dali")``, in the order given, each one of ``BACKENDS``."""
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [name for name in names if name not in BACKENDS]
+    if not names or unknown:
+        raise ConfigError(f"--backend {text!r}: give backends among {', '.join(BACKENDS)} separated by commas")
+    return names
 
 
 def parse_worker_counts(text: str) -> tuple[int, ...]:
@@ -297,11 +321,28 @@ def time_batches(batches: Iterator, warmup: int, seconds: float) -> dict[str, fl
             return {"images": images, "seconds": elapsed, "img_s": images / elapsed}
 
 
-def measure_vitrain_loader(
-    samples: list[tuple[str, int]], data: DataConfig, seed: int, settings: DataBenchSettings, workers: int, batch: int
-) -> dict[str, Any]:
-    """img/s of training's :class:`FileLoader` with ``workers`` workers, and what its workers read per second."""
-    loader = FileLoader(samples, bench_data_plan(data, seed, settings.image_size, batch, workers), train=True)
+def _shard_loader(shards: Path, plan: DataPlan):
+    from vitrain.data.shards import ShardLoader, shard_source
+
+    source = plan.source.model_copy(update={"name": "webdataset", "root": shards})
+    return ShardLoader(shard_source(source), dataclasses.replace(plan, source=source), train=True)
+
+
+def backend_loader(backend: str, samples: list[tuple[str, int]], plan: DataPlan, shards: Path | None):
+    """Training's loader of ``backend`` over ``samples`` (shards: the folder written from them)."""
+    if backend == "shards":
+        return _shard_loader(shards, plan)
+    if backend == "dali":
+        from vitrain.data.dali import DaliFileLoader
+
+        return DaliFileLoader(
+            samples, dataclasses.replace(plan, source=plan.source.model_copy(update={"backend": "dali"})), True
+        )
+    return FileLoader(samples, plan, train=True)
+
+
+def measure_vitrain_loader(loader, workers: int, settings: DataBenchSettings) -> dict[str, Any]:
+    """img/s of one of training's loaders with ``workers`` workers, and what it read per second."""
     batches = endless_batches(loader)
     for _ in range(max(1, workers)):  # the warm-up: every worker started and delivered
         next(batches)
@@ -357,26 +398,61 @@ def measure_timm_loader(folder: Path, data: DataConfig, settings: DataBenchSetti
 def measure_decode(
     folder: Path, samples: list[tuple[str, int]], config: Config, settings: DataBenchSettings, cores: int
 ) -> tuple[list[dict[str, Any]], int]:
-    """One row per worker count: vitrain's img/s, per worker-core, read MB/s and files/s; with
-    ``compare_timm`` timm's img/s and the ratio. Also the batch used (at most the number of images)."""
+    """One row per worker count and backend: img/s, per worker-core, read MB/s and files/s; with
+    ``compare_timm`` timm's img/s at that worker count and the ratio. Also the batch used (at most the number
+    of images)."""
     batch = min(settings.batch, len(samples))
     if batch < settings.batch:
         log.warning("--batch %d: only %d images, measuring batches of %d", settings.batch, len(samples), batch)
     rows = []
     for workers in settings.workers:
         used = max(1, min(workers, cores))
-        log.info("decode + augment: %d worker(s), %.1f s", workers, settings.seconds)
-        ours = measure_vitrain_loader(samples, config.data, config.train.seed, settings, workers, batch)
-        gc.collect()  # ends the point's workers before the next starts its own
-        row = {"workers": workers, "cores_used": used, **ours, "img_s_per_core": ours["img_s"] / used}
-        if settings.compare_timm:
-            theirs = measure_timm_loader(folder, config.data, settings, workers, batch)
-            gc.collect()
-            row["timm_img_s"] = theirs["img_s"]
-            row["timm_img_s_per_core"] = theirs["img_s"] / used
-            row["vitrain_over_timm"] = ours["img_s"] / theirs["img_s"]
-        rows.append(row)
+        plan = bench_data_plan(config.data, config.train.seed, settings.image_size, batch, workers)
+        theirs = None
+        for backend in settings.backends:
+            log.info("decode + augment: %s, %d worker(s), %.1f s", backend, workers, settings.seconds)
+            loader = backend_loader(backend, samples, plan, settings.shards)
+            ours = measure_vitrain_loader(loader, workers, settings)
+            del loader
+            gc.collect()  # ends the point's workers before the next starts its own
+            row = {"backend": backend, "workers": workers, "cores_used": used, **ours}
+            row["img_s_per_core"] = ours["img_s"] / used
+            if settings.compare_timm:
+                if theirs is None:
+                    theirs = measure_timm_loader(folder, config.data, settings, workers, batch)
+                    gc.collect()
+                row["timm_img_s"] = theirs["img_s"]
+                row["timm_img_s_per_core"] = theirs["img_s"] / used
+                row["vitrain_over_timm"] = ours["img_s"] / theirs["img_s"]
+            rows.append(row)
     return rows, batch
+
+
+@contextlib.contextmanager
+def shards_for(settings: DataBenchSettings, root: Path) -> Iterator[DataBenchSettings]:
+    """``settings`` with the shards the shards backend reads: ``--shards``, else written from ``root`` into a
+    temporary folder (removed afterwards)."""
+    if "shards" not in settings.backends or settings.shards is not None:
+        yield settings
+        return
+    from vitrain.data.shards import shard_folder
+
+    with tempfile.TemporaryDirectory(prefix="vitrain-bench-shards-") as folder:
+        log.info("writing %s as shards into %s (give --shards DIR to reuse shards)", root, folder)
+        shard_folder(root, Path(folder), shard_bytes=SHARD_BYTES, workers=os.cpu_count() or 1)
+        yield dataclasses.replace(settings, shards=Path(folder))
+
+
+def files_per_epoch(settings: DataBenchSettings, samples: list[tuple[str, int]]) -> dict[str, int]:
+    """Files opened per training epoch by each backend: one per image, or one per shard."""
+    opened = {}
+    for backend in settings.backends:
+        if backend == "shards":
+            index = json.loads((settings.shards / "index.json").read_text())
+            opened[backend] = len(index["splits"]["train"]["shards"])
+        else:
+            opened[backend] = len(samples)
+    return opened
 
 
 # --- the verdict -----------------------------------------------------------------------------------
@@ -460,7 +536,10 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
     measured = None if settings.train_img_s is not None or training is None else training()
     log.info("bench-data: %d images under %s, %d usable core(s)", len(samples), folder, cores)
     storage = measure_storage([path for path, _ in samples], settings.seconds)
-    rows, batch = measure_decode(folder, samples, config, settings, cores)
+    root = settings.root if folder != settings.root else folder.parent
+    with shards_for(settings, root) as settings:
+        rows, batch = measure_decode(folder, samples, config, settings, cores)
+        opened = files_per_epoch(settings, samples)
     result = {
         "root": str(settings.root),
         "split_folder": str(folder),
@@ -470,6 +549,8 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
         "seconds_per_point": settings.seconds,
         "machine": machine,
         "storage": storage,
+        "backends": list(settings.backends),
+        "files_per_epoch": opened,
         "decode": rows,
         "training": measured,
         "verdict": None,
@@ -477,7 +558,7 @@ def run_bench_data(settings: DataBenchSettings, config: Config, training: Callab
     if settings.train_img_s is not None:
         result["training"] = {"img_s_median": settings.train_img_s, "source": "--train-img-s"}
     if result["training"] is not None:
-        points = [(row["workers"], row["img_s"]) for row in rows]
+        points = [(row["workers"], row["img_s"]) for row in rows if row["backend"] == settings.backends[0]]
         verdict = input_verdict(points, result["training"]["img_s_median"], cores)
         result["verdict"] = {**verdict, "summary": describe_verdict(verdict)}
     return result
@@ -503,16 +584,18 @@ def _storage_lines(storage: dict[str, Any]) -> list[str]:
 def _decode_lines(result: dict[str, Any]) -> list[str]:
     rows = result["decode"]
     timm = "timm_img_s" in rows[0]
-    header = "| workers | img/s | img/s per core | read MB/s | files/s |" + (" timm img/s | vitrain / timm |" * timm)
+    header = "| backend | workers | img/s | img/s per core | read MB/s | files/s |"
+    header += " timm img/s | over timm |" * timm
+    opened = ", ".join(f"{name} {count}" for name, count in result["files_per_epoch"].items())
     lines = [
         f"decode + augment at {result['image_size']} px, batch {result['batch']}, {result['seconds_per_point']:g} s "
-        "per point:",
+        f"per point (files opened per epoch: {opened}):",
         header,
         "|" + "---|" * (header.count("|") - 1),
     ]
     for row in rows:
-        line = f"| {row['workers']} | {row['img_s']:.1f} | {row['img_s_per_core']:.1f} | {row['read_mb_s']:.2f} "
-        line += f"| {row['files_s']:.1f} |"
+        line = f"| {row['backend']} | {row['workers']} | {row['img_s']:.1f} | {row['img_s_per_core']:.1f} "
+        line += f"| {row['read_mb_s']:.2f} | {row['files_s']:.1f} |"
         if timm:
             line += f" {row['timm_img_s']:.1f} | {row['vitrain_over_timm']:.2f} |"
         lines.append(line)
@@ -545,11 +628,16 @@ def plot_decode(result: dict[str, Any], path: Path) -> bool:
     if plt is None:
         return False
     rows = result["decode"]
-    workers = [row["workers"] for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(workers, [row["img_s"] for row in rows], marker="o", label="vitrain FileLoader")
+    for backend in result["backends"]:
+        mine = [row for row in rows if row["backend"] == backend]
+        axes.plot(
+            [row["workers"] for row in mine], [row["img_s"] for row in mine], marker="o", label=f"vitrain {backend}"
+        )
+    first = [row for row in rows if row["backend"] == result["backends"][0]]
+    workers = [row["workers"] for row in first]
     if "timm_img_s" in rows[0]:
-        axes.plot(workers, [row["timm_img_s"] for row in rows], marker="s", label="timm create_loader")
+        axes.plot(workers, [row["timm_img_s"] for row in first], marker="s", label="timm create_loader")
     if result["verdict"] is not None:
         axes.axhline(result["verdict"]["train_img_s"], linestyle="--", color="gray", label="training img/s")
     axes.set_xlabel("data-loader workers")

@@ -420,6 +420,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
     )
     _check_init_source(config.train)
     _check_webdataset(config)
+    _check_dali(config)
     profile_window(config.train.profile)
 
 
@@ -436,6 +437,33 @@ def _check_webdataset(config: Config) -> None:
         config.data.token_labels is None,
         "data.token_labels needs indexed samples; data.name=webdataset streams its shards: train token labeling "
         "from the image folder (data.name=imagefolder)",
+    )
+
+
+DALI_UNSUPPORTED = ("randaugment", "three_augment", "color_jitter", "token_labels")
+
+
+def _check_dali(config: Config) -> None:
+    """What the DALI pipelines do not do: in-memory sources, per-image policies, token labels, remote shards."""
+    data = config.data
+    if data.backend != "dali":
+        return
+    _require(
+        data.name in ("imagefolder", "webdataset"),
+        f"data.backend=dali decodes image files; data.name={data.name} is decoded in memory: set data.backend=pillow "
+        "or train from files (data.name=imagefolder or webdataset)",
+    )
+    used = [f"data.{key}" for key in DALI_UNSUPPORTED if getattr(data, key)]
+    _require(
+        not used,
+        f"data.backend=dali applies crop, flip, random erasing and translation only; {', '.join(used)} needs the "
+        "Pillow path: set data.backend=pillow or turn it off",
+    )
+    root = str(data.root or "")
+    _require(
+        data.name != "webdataset" or not (":" in data.wds_label_key or root.startswith("pipe:") or "://" in root),
+        "data.backend=dali reads local shard files with a text label entry (data.wds_label_key=cls); pipe:/URL "
+        "shards and JSON label fields need data.backend=pillow",
     )
 
 

@@ -119,7 +119,12 @@ class DataConfig(Section):
     limit_eval: int | None = Field(None, ge=1)
     """Use only the first N evaluation samples (quick runs)."""
     num_workers: int = Field(4, ge=0)
-    """Decode worker processes for file-backed sources (in-memory sources need none)."""
+    """Decode worker processes for file-backed sources (in-memory sources need none); data.backend=dali: its
+    CPU threads (at least 1)."""
+    backend: Literal["pillow", "dali"] = "pillow"
+    """Decoder of file-backed sources (imagefolder, webdataset): pillow, worker processes with Pillow and
+    torchvision transforms; dali, NVIDIA DALI pipelines (extra vitrain[dali]) decoding on the GPU with CUDA and
+    on CPU threads otherwise, with crop, flip, erasing and translation only (docs/data.md)."""
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     """Image folders: stop when more than this fraction of a split's files cannot be decoded (below it each is
     skipped, replaced by the next decodable file and counted in summary.json); 0 stops at the first."""

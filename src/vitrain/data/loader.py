@@ -471,6 +471,10 @@ def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
 def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
     """Train and eval loaders for the plan's data source."""
     config = data.source
+    if config.backend == "dali" and config.name in ("imagefolder", "webdataset"):
+        from vitrain.data.dali import build_dali_loaders  # it builds on this module
+
+        return build_dali_loaders(data)
     if config.name == "webdataset":
         from vitrain.data.shards import build_shard_loaders  # it builds on this module
 
