@@ -286,3 +286,34 @@ def test_dali_decodes_on_the_gpu_like_its_cpu_pipeline(tmp_path):
     gpu_eval = torch.cat([images.cpu() for images, _ in loaders["cuda"][1]]).float()
     cpu_eval = torch.cat([images for images, _ in loaders["cpu"][1]]).float()
     assert torch.allclose(gpu_eval.mean((2, 3)), cpu_eval.mean((2, 3)), atol=3.0)
+
+
+def test_gpu_jpeg_decoding_gives_the_pillow_paths_crops_on_cuda(tmp_path):
+    """data.decode=gpu on CUDA (torchvision's nvJPEG decoder): CUDA batches with the CPU path's labels, and
+    pixels within 3 levels of 255 on average (the same seeded crops; two JPEG decoders, two resizes)."""
+    from tests.unit.test_device_decode import _smooth
+
+    for split, count in (("train", 8), ("val", 3)):
+        for name in ("a", "b"):
+            (tmp_path / split / name).mkdir(parents=True)
+            for index in range(count):
+                _smooth(index + 10 * len(name), 30 + index, 40).save(
+                    tmp_path / split / name / f"{index}.jpg", quality=95
+                )
+    overrides = [
+        "data.name=imagefolder",
+        f"data.root={tmp_path}",
+        "data.image_size=14",
+        "data.num_workers=0",
+        "model.name=vit_tiny6_patch7",
+        "train.batch_size=4",
+        "train.device=cuda",
+    ]
+    from vitrain.data import build_loaders
+
+    gpu = build_loaders(make_plan(make_config(*overrides, "data.decode=gpu")).data)
+    cpu = build_loaders(make_plan(make_config(*overrides)).data)
+    for ours, theirs in zip(gpu, cpu, strict=True):
+        for (images, labels), (expected, expected_labels) in zip(ours, theirs, strict=True):
+            assert images.is_cuda and torch.equal(labels.cpu(), expected_labels.cpu())
+            assert (images.float().cpu() - expected.float().cpu()).abs().mean() < 3.0

@@ -392,7 +392,7 @@ def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...],
         )
 
 
-def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
+def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str) -> None:
     """Cross-field checks that no single field's validator can make: normalization against the
     data's channels, keys the source ignores, fp16 Adam epsilon, the init checkpoint's existence."""
     for key in ("mean", "std"):
@@ -421,6 +421,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str) -> None:
     _check_init_source(config.train)
     _check_webdataset(config)
     _check_dali(config)
+    _check_device_decode(config, device)
     profile_window(config.train.profile)
 
 
@@ -441,6 +442,29 @@ def _check_webdataset(config: Config) -> None:
 
 
 DALI_UNSUPPORTED = ("randaugment", "three_augment", "color_jitter", "token_labels")
+
+
+def _check_device_decode(config: Config, device: str) -> None:
+    """data.decode=gpu: a CUDA run of the Pillow path without the per-image policies."""
+    data = config.data
+    if data.decode != "gpu":
+        return
+    _require(
+        device.startswith("cuda"),
+        f"data.decode=gpu decodes on the run's CUDA device; this run is on {device}: set data.decode=cpu",
+    )
+    _require(
+        data.name in ("imagefolder", "webdataset") and data.backend == "pillow",
+        f"data.decode=gpu decodes image files of the Pillow path (data.name=imagefolder or webdataset, "
+        f"data.backend=pillow), not data.name={data.name} with data.backend={data.backend}; DALI decodes on the "
+        "GPU by itself",
+    )
+    used = [f"data.{key}" for key in DALI_UNSUPPORTED if getattr(data, key)]
+    _require(
+        not used,
+        f"data.decode=gpu crops, flips, translates and erases on the device; {', '.join(used)} runs on PIL images: "
+        "set data.decode=cpu or turn it off",
+    )
 
 
 def _check_dali(config: Config) -> None:
@@ -903,7 +927,7 @@ def resolve(
     if world.size > 1 and device == "cuda":
         device = f"cuda:{world.local_rank}"  # one GPU per process
     precision = _resolve_precision(config.precision, hardware)
-    _check_inputs(config, data, precision)
+    _check_inputs(config, data, precision, device)
     world, checkpoint_format = _resolve_parallel(config, world, precision, hardware.cuda_available)
     parallel = _parallel_plan(config, world, device)
     duration = _resolve_duration(config, steps_per_epoch)

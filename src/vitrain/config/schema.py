@@ -121,6 +121,9 @@ class DataConfig(Section):
     num_workers: int = Field(4, ge=0)
     """Decode worker processes for file-backed sources (in-memory sources need none); data.backend=dali: its
     CPU threads (at least 1)."""
+    decode: Literal["cpu", "gpu"] = "cpu"
+    """data.backend=pillow: where image files are decoded; gpu, JPEGs in batches on the run's CUDA device
+    (torchvision.io.decode_jpeg, nvJPEG) with crop, flip and resize there, the workers only reading bytes."""
     backend: Literal["pillow", "dali"] = "pillow"
     """Decoder of file-backed sources (imagefolder, webdataset): pillow, worker processes with Pillow and
     torchvision transforms; dali, NVIDIA DALI pipelines (extra vitrain[dali]) decoding on the GPU with CUDA and

@@ -385,6 +385,31 @@ def collate_decoded(items: list[tuple[torch.Tensor | None, int, list[BadEvent], 
     return images, labels, [event for _, _, events, _ in items for event in events], geometry
 
 
+class EncodedFiles(Dataset):
+    """The files' bytes, for decoding on the device (``data.decode=gpu``): ``(uint8 tensor, label, seed, index,
+    ReadCounts)`` per sample."""
+
+    def __init__(self, samples: list[tuple[str, int]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int]):
+        from vitrain.data.device_decode import encoded_tensor
+
+        index, seed = key
+        data = Path(self.samples[index][0]).read_bytes()
+        return encoded_tensor(data), self.samples[index][1], seed, index, (len(data), 1)
+
+
+def collate_encoded(items: list) -> tuple:
+    """``(encoded tensors, labels, seeds, indices, ReadCounts)`` of a batch of :class:`EncodedFiles` items."""
+    encoded, labels, seeds, indices, reads = zip(*items, strict=True)
+    counts = (sum(count[0] for count in reads), len(reads))
+    return list(encoded), torch.tensor(labels, dtype=torch.int64), list(seeds), list(indices), counts
+
+
 class FileLoader:
     """A torch DataLoader over image files, positioned through its seeded sampler; rebuilt (with
     its workers) when a curriculum stage changes the image or batch size."""
@@ -419,14 +444,19 @@ class FileLoader:
             replace_bad=self.train,
             geometry=self.train and self.data.crop_geometry,
         )
+        self.decoder = None
+        if config.decode == "gpu":
+            from vitrain.data.device_decode import DeviceDecoder
+
+            self.decoder = DeviceDecoder(config, image_size, self.train, self.data.device)
         workers = config.num_workers
         share = self.data.batch.per_process(batch_size)
         self.sampler.set_batch_size(batch_size, share)
         self.loader = DataLoader(
-            CountedReads(dataset),
+            EncodedFiles(self.samples) if self.decoder else CountedReads(dataset),
             batch_size=share,
             sampler=self.sampler,
-            collate_fn=collate_counted,
+            collate_fn=collate_encoded if self.decoder else collate_counted,
             drop_last=self.train,
             num_workers=workers,
             pin_memory=self.data.device.startswith("cuda"),
@@ -446,7 +476,8 @@ class FileLoader:
         return self.bytes_read, self.files_opened
 
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, events, geometry, (num_bytes, num_files) in self.loader:
+        batches = self._decoded_on_device() if self.decoder else self.loader
+        for images, labels, events, geometry, (num_bytes, num_files) in batches:
             self.bytes_read += num_bytes
             self.files_opened += num_files
             if events:
@@ -456,6 +487,12 @@ class FileLoader:
                     raise TooManyBadImages(self.bad_images.describe_abort(no_image_decodes=True))
                 continue  # an evaluation batch of bad files only
             yield (images, labels) if geometry is None else (images, labels, geometry)
+
+    def _decoded_on_device(self) -> Iterator[tuple]:
+        """The workers' encoded batches decoded by the device decoder, shaped like the workers' decoded ones."""
+        for encoded, labels, seeds, indices, counts in self.loader:
+            images, labels, events = self.decoder(encoded, labels, seeds, indices)
+            yield images, labels, events, None, counts
 
 
 def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:

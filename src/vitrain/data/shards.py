@@ -42,6 +42,7 @@ from tqdm import tqdm
 from vitrain.config import ConfigError, DataConfig, DataPlan
 from vitrain.data import sources
 from vitrain.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadImage, decode_image
+from vitrain.data.device_decode import encoded_tensor
 from vitrain.data.loader import (
     BadImageLog,
     ReadCounts,
@@ -444,7 +445,8 @@ class StreamSpec:
 
     shards: ShardSet
     train: bool
-    transform: Callable
+    transform: Callable | None
+    """The per-sample transform; None: send the image bytes (data.decode=gpu decodes them on the device)."""
     draft_side: int
     max_image_pixels: int
     image_keys: tuple[str, ...]
@@ -479,6 +481,8 @@ def _decode_sample(spec: StreamSpec, name: str, sample: dict[str, Any], seed: in
     label = sample_label(sample, spec.label_key)
     if isinstance(label, str) or label >= spec.num_classes:
         return name, "no_label", label if isinstance(label, str) else f"class {label} >= {spec.num_classes} classes"
+    if spec.transform is None:  # data.decode=gpu: the main process decodes on the device
+        return (encoded_tensor(sample[key]), seed), label, len(sample[key])
     try:
         decoded = decode_image(sample[key], spec.draft_side, spec.max_image_pixels, name=f"{name}.{key}")
     except BadImage as error:
@@ -565,7 +569,9 @@ class _Batcher:
     def take(self) -> tuple:
         """``(images or None, labels or None, bad events, sample names, ReadCounts)``, and start a new batch; the
         read counts are the bytes of the image entries decoded and their number."""
-        images = torch.stack(self.images) if self.images else None
+        images = None
+        if self.images:  # data.decode=gpu: (encoded bytes, seed) pairs, as they are
+            images = torch.stack(self.images) if isinstance(self.images[0], torch.Tensor) else list(self.images)
         labels = torch.tensor(self.labels, dtype=torch.int64) if self.labels else None
         batch = images, labels, self.events, self.names, (self.bytes_read, len(self.images))
         self.images, self.labels, self.events, self.names, self.bytes_read = [], [], [], [], 0
@@ -684,7 +690,12 @@ class ShardLoader:
         """Set the image size and the global batch (a curriculum stage)."""
         config = self.data.source
         self.image_size, self.batch_size = image_size, batch_size
-        if self.train:
+        self.decoder = None
+        if config.decode == "gpu":
+            from vitrain.data.device_decode import DeviceDecoder
+
+            self.transform, self.decoder = None, DeviceDecoder(config, image_size, self.train, self.data.device)
+        elif self.train:
             self.transform = build_train_transform(config, self.data.mean, image_size)
         else:
             self.transform = build_eval_transform(config, image_size)
@@ -736,8 +747,12 @@ class ShardLoader:
             prefetch_factor=4 if workers > 0 else None,
         )
         yielded = 0
-        for images, labels, events, _, (num_bytes, num_samples) in loader:
+        for images, labels, events, names, (num_bytes, num_samples) in loader:
             self.read_counts = (self.read_counts[0] + num_bytes, self.read_counts[1] + num_samples)
+            if self.decoder is not None and images is not None:
+                encoded, seeds = zip(*images, strict=True)
+                images, labels, decode_events = self.decoder(encoded, labels, seeds, names)
+                events = [*events, *decode_events]
             if events:
                 self.bad_images.record(events)  # raises past data.max_bad_fraction
             if images is not None:

@@ -139,8 +139,9 @@ class RandomResizedCropFlip:
         self.hflip = hflip
         self.last_geometry: CropGeometry | None = None
 
-    def __call__(self, image: Image.Image) -> Image.Image:
-        width, height = image.size
+    def __call__(self, image: Image.Image | torch.Tensor) -> Image.Image | torch.Tensor:
+        """A PIL image, or a CHW tensor on any device (``data.decode=gpu``): the same draws, the same box."""
+        width, height = image.size if isinstance(image, Image.Image) else (image.shape[-1], image.shape[-2])
         params = self.crop.make_params([image])
         out = self.crop.transform(image, params)
         flipped = bool(torch.rand(1) < self.hflip)  # v2's flip: skipped when rand(1) >= p
