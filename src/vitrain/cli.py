@@ -221,12 +221,22 @@ def _add_check_data_parser(commands) -> None:
     check.add_argument("root", type=Path, help="dataset root (train/<class>/*, val/<class>/*) or one split folder")
     check.add_argument("--workers", type=int, default=None, help="decode processes (default: one per CPU core)")
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
-    check.add_argument(
+    _add_max_image_pixels(check)
+
+
+def _add_max_image_pixels(parser) -> None:
+    parser.add_argument(
         "--max-image-pixels",
         type=int,
         default=None,
         help="refuse images with more pixels as decompression bombs (default: data.max_image_pixels's default)",
     )
+
+
+def _max_image_pixels(args: argparse.Namespace) -> int:
+    if args.max_image_pixels is not None and args.max_image_pixels < 1:
+        raise ConfigError(f"--max-image-pixels {args.max_image_pixels}: must be >= 1")
+    return args.max_image_pixels or Config().data.max_image_pixels
 
 
 def _add_shard_parser(commands) -> None:
@@ -238,6 +248,7 @@ def _add_shard_parser(commands) -> None:
     shard.add_argument("--out", type=Path, required=True, help="folder for the shards, index.json and progress.json")
     shard.add_argument("--shard-size", default="1GB", help="about this many bytes per shard (1GB, 500MB, 64KiB)")
     shard.add_argument("--workers", type=int, default=None, help="processes writing shards (default: one per core)")
+    _add_max_image_pixels(shard)
 
 
 def _add_bench_parser(commands) -> None:
@@ -724,10 +735,7 @@ def command_check_data(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: decode in this process)")
-    if args.max_image_pixels is not None and args.max_image_pixels < 1:
-        raise ConfigError(f"--max-image-pixels {args.max_image_pixels}: must be >= 1")
-    limit = args.max_image_pixels or Config().data.max_image_pixels
-    report = check_image_folder(args.root, workers=args.workers, max_image_pixels=limit)
+    report = check_image_folder(args.root, workers=args.workers, max_image_pixels=_max_image_pixels(args))
     print(format_report(report))
     _write_json(args.json, report.to_dict())
     return 1 if report.num_bad else 0
@@ -738,7 +746,10 @@ def command_shard(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: write in this process)")
-    index = shard_folder(args.root, args.out, parse_size(args.shard_size), args.workers, progress=sys.stderr.isatty())
+    limit = _max_image_pixels(args)
+    index = shard_folder(
+        args.root, args.out, parse_size(args.shard_size), args.workers, sys.stderr.isatty(), max_image_pixels=limit
+    )
     splits = index["splits"]
     print(
         json.dumps({split: {key: splits[split][key] for key in ("samples", "bad")} for split in splits})

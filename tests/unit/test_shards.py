@@ -124,6 +124,12 @@ def test_shard_command_writes_shards_in_worker_processes_and_rejects_a_bad_size(
     assert index["splits"]["val"]["samples"] == NUM_VAL and len(index["splits"]["train"]["shards"]) > 2
     assert main(["shard", str(image_root), "--out", str(tmp_path / "x"), "--shard-size", "lots"]) == 2
     assert "--shard-size 'lots'" in capsys.readouterr().err
+    # an image above --max-image-pixels is left out as a decompression bomb, the rest kept
+    assert main(["shard", str(image_root), "--out", str(tmp_path / "small"), "--max-image-pixels", "600"]) == 0
+    small = json.loads((tmp_path / "small" / "index.json").read_text())["splits"]["train"]
+    too_large = [path for path, reason, _ in small["bad_files"] if reason == "decompression_bomb"]
+    assert too_large and small["samples"] == NUM_TRAIN - len(too_large)
+    assert main(["shard", str(image_root), "--out", str(tmp_path / "y"), "--max-image-pixels", "0"]) == 2
 
 
 def _overrides(root, *extra: str) -> list[str]:
