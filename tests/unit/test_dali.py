@@ -171,6 +171,27 @@ def test_shards_train_and_evaluate_through_dalis_webdataset_reader(shards, tmp_p
     assert train.read_counts[1] == 24 and train.read_counts[0] > 24 * 100  # the image entries' bytes
 
 
+def test_two_ranks_train_on_disjoint_halves_of_the_shards(tmp_path):
+    """Each image one flat grey level, so a crop of it still names it: across two ranks every sample once."""
+    for split, count in (("train", 12), ("val", 2)):
+        for class_index, name in enumerate(("a", "b")):
+            (tmp_path / "images" / split / name).mkdir(parents=True)
+            for index in range(count):
+                level = 8 * (index * 2 + class_index) + 20
+                image = Image.new("RGB", (20, 24), (level, level, level))
+                image.save(tmp_path / "images" / split / name / f"{index}.jpg", quality=100)
+    shard_folder(tmp_path / "images", tmp_path / "shards", shard_bytes=1500, workers=0)
+    overrides = ["data.name=webdataset", "data.wds_shuffle_buffer=3", "data.scale=[0.2, 1.0]"]
+    taken = []
+    for rank in range(2):
+        loader = _loaders(tmp_path / "shards", *overrides, world=World(rank=rank, size=2))[0]
+        loader.start_epoch(1)
+        taken.append([int(images[i].float().mean().round()) for images, _ in loader for i in range(len(images))])
+    assert len(taken[0]) == len(taken[1]) == 12  # 24 // 6 global batches of 3 images per rank
+    assert not set(taken[0]) & set(taken[1])
+    assert len(set(taken[0]) | set(taken[1])) == 24
+
+
 @pytest.mark.parametrize("source", ["imagefolder", "webdataset"])
 def test_training_end_to_end_with_erasing_and_translation(folder, shards, tmp_path, one_thread, source):
     root = shards if source == "webdataset" else folder

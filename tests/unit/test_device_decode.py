@@ -85,6 +85,11 @@ def test_a_bad_jpeg_takes_a_neighbours_place_in_training_and_is_left_out_of_eval
     images, kept, events = evaluation(encoded, labels, [0] * 4, ["a", "b", "c", "d"])
     assert images.shape == (3, 3, 8, 8) and kept.tolist() == [0, 2, 3] and len(events) == 1
     assert evaluation([broken], labels[:1], [0], ["b"])[:2] == (None, None)
+    # refused before decoding: more pixels than data.max_image_pixels (from the header), a file that was not read
+    strict = DeviceDecoder(make_config("data.max_image_pixels=400").data, 8, train=False, device="cpu")
+    _, kept, events = strict([good[0], encoded_tensor(b"")], labels[:2], [0, 0], ["big", "gone"])
+    assert kept is None  # nothing left to evaluate
+    assert [(name, reason) for name, reason, _ in events] == [("big", "decompression_bomb"), ("gone", "empty")]
 
 
 def _jpeg(seed: int) -> bytes:

@@ -30,7 +30,15 @@ import torch
 
 from vitrain.config import ConfigError, DataPlan
 from vitrain.data.decode import BadImage, decode_image
-from vitrain.data.loader import BadImageLog, Batch, ReadCounts, SeededSampler, TooManyBadImages, derive_seed
+from vitrain.data.loader import (
+    BadImageLog,
+    Batch,
+    ReadCounts,
+    SeededSampler,
+    TooManyBadImages,
+    derive_seed,
+    epoch_order,
+)
 from vitrain.data.transforms import batch_random_erase, batch_random_translate, eval_resize_size
 
 log = logging.getLogger("vitrain")
@@ -96,7 +104,12 @@ def _file_pipeline(files: list[str], data: DataPlan, train: bool, size: int, bat
 
     threads = max(1, data.source.num_workers)
     return files_pipeline(
-        batch_size=batch, num_threads=threads, device_id=device_id, seed=seed % 2**31, prefetch_queue_depth=PREFETCH
+        batch_size=batch,
+        num_threads=threads,
+        device_id=device_id,
+        seed=seed % 2**31,
+        prefetch_queue_depth=PREFETCH,
+        exec_dynamic=True,
     )
 
 
@@ -115,6 +128,27 @@ def _batch_extras(images: torch.Tensor, data: DataPlan, seed: int) -> torch.Tens
     generator = torch.Generator(images.device).manual_seed(seed)
     images = batch_random_translate(images, config.translate, generator)
     return batch_random_erase(images, config.random_erase, generator)
+
+
+class DaliBatchFailed(Exception):
+    """DALI failed to build or run a pipeline (a file it cannot read or decode): the error it raised."""
+
+    def __init__(self, error: RuntimeError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _dali_call(call):
+    """``call()``, with DALI's RuntimeError as :class:`DaliBatchFailed` (errors of vitrain's own code pass)."""
+    try:
+        return call()
+    except RuntimeError as error:
+        raise DaliBatchFailed(error) from error
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 class DaliFileLoader:
@@ -160,7 +194,10 @@ class DaliFileLoader:
 
     def _batches(self) -> list[list[int]]:
         """This rank's sample indices of the epoch from its position, batch by batch."""
-        indices = [index for index, _ in self.sampler]
+        sampler = self.sampler
+        order = epoch_order(sampler.count, sampler.seed, sampler.epoch, sampler.repeats) if self.train else None
+        positions = sampler.positions()
+        indices = [int(order[p]) for p in positions] if self.train else list(positions)
         if self.train:
             indices = indices[: len(indices) // self.share * self.share]
         return [indices[start : start + self.share] for start in range(0, len(indices), self.share)]
@@ -182,8 +219,8 @@ class DaliFileLoader:
                     done += 1
                     pending = pending[1:]
                     yield batch
-            except RuntimeError as error:
-                self._find_bad(pending[: PREFETCH + 1], error)
+            except DaliBatchFailed as failed:
+                self._find_bad(pending[: PREFETCH + 1], failed.error)
 
     def _run(self, batches: list[list[int]], done: int) -> Iterator[Batch]:
         if not batches:
@@ -191,9 +228,9 @@ class DaliFileLoader:
         files = [self.samples[index][0] for batch in batches for index in batch]
         seed = derive_seed(self.data.seed, self.epoch, self.start, done, self.data.world.data_rank)
         pipe = _file_pipeline(files, self.data, self.train, self.image_size, self.share, seed)
-        pipe.build()
+        _dali_call(pipe.build)
         for number, batch in enumerate(batches):
-            images, sizes = pipe.run()
+            images, sizes = _dali_call(pipe.run)
             tensor = _as_torch(images, self.data.device)[: len(batch)]
             self._count_reads(sizes, len(batch))
             if self.train:
@@ -218,7 +255,7 @@ class DaliFileLoader:
             paths = ", ".join(self.samples[index][0] for index in indices[:3])
             raise ConfigError(
                 f"data.backend=dali: DALI failed on a batch whose files all decode with Pillow (e.g. {paths}): "
-                f"{str(error).strip().splitlines()[-1]}; set data.backend=pillow"
+                f"{_last_line(error)}; set data.backend=pillow"
             ) from error
         self.bad_images.record(events)  # raises past data.max_bad_fraction
 
@@ -252,22 +289,24 @@ class DaliShardLoader:
         self.epoch, self.start = epoch, start_sample
 
     def _rank_samples(self) -> int:
-        """Samples of this rank's part of the evaluation shards (DALI's split of the sample sequence)."""
+        """Samples this rank evaluates: its part of the shards' sample sequence (DALI's contiguous split),
+        cut at ``data.limit_eval`` counted over the whole sequence."""
         world = self.data.world
         total, ranks, rank = self.shards.num_samples, world.data_size, world.data_rank
-        return total * (rank + 1) // ranks - total * rank // ranks
+        start, end = total * rank // ranks, total * (rank + 1) // ranks
+        return max(0, min(end, self.num_samples) - start)
 
     def __len__(self) -> int:
         if self.train:
             return self.num_samples // self.batch_size
-        return -(-min(self._rank_samples(), self.num_samples) // self.share)
+        return -(-self._rank_samples() // self.share)
 
     def _pipeline(self, seed: int):
         fn, pipeline_def, _ = require_dali()
         config, world = self.data.source, self.data.world
         urls = list(self.shards.urls)
-        if self.train:
-            random.Random(seed).shuffle(urls)
+        if self.train:  # one order for all ranks: DALI gives rank r the r-th part of it
+            random.Random(derive_seed(self.data.seed, self.epoch)).shuffle(urls)
         device_id = _device_id(self.data)
 
         @pipeline_def
@@ -293,17 +332,18 @@ class DaliShardLoader:
             device_id=device_id,
             seed=seed % 2**31,
             prefetch_queue_depth=PREFETCH,
+            exec_dynamic=True,
         )
 
     def __iter__(self) -> Iterator[Batch]:
         first = self.start // self.batch_size if self.train else 0
         seed = derive_seed(self.data.seed, self.epoch, first, self.data.world.data_rank)
-        remaining = min(self._rank_samples(), self.num_samples)
+        remaining = self._rank_samples()
         pipe = self._pipeline(seed)
         try:
-            pipe.build()
+            _dali_call(pipe.build)
             for number in range(first, len(self)):
-                images, labels, sizes = pipe.run()
+                images, labels, sizes = _dali_call(pipe.run)
                 count = self.share if self.train else min(self.share, remaining - (number - first) * self.share)
                 tensor = _as_torch(images, self.data.device)[:count]
                 num_bytes = sum(int(sizes.at(i)[0]) for i in range(count))
@@ -311,8 +351,8 @@ class DaliShardLoader:
                 if self.train:
                     tensor = _batch_extras(tensor, self.data, derive_seed(seed, number))
                 yield tensor, self._labels(labels, count)
-        except RuntimeError as error:
-            raise ConfigError(self._describe_failure(error)) from error
+        except DaliBatchFailed as failed:
+            raise ConfigError(self._describe_failure(failed.error)) from failed.error
 
     def _labels(self, labels, count: int) -> torch.Tensor:
         values = []
@@ -329,7 +369,7 @@ class DaliShardLoader:
 
     def _describe_failure(self, error: RuntimeError) -> str:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        detail = next((line for line in lines if "failure" in line or "missing" in line.lower()), lines[-1])
+        detail = next((line for line in lines if "failure" in line or "missing" in line.lower()), _last_line(error))
         shown = ", ".join(os.path.basename(url) for url in self.shards.urls[:3])
         return (
             f"data.backend=dali: DALI could not read or decode a sample of the shards ({shown}, ...): {detail}; "

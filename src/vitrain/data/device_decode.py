@@ -4,7 +4,8 @@ The loader workers only read the files (or the shard entries) and send their byt
 decodes each batch's JPEGs in one call of ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), other
 formats (PNG, WebP, ...) with vitrain's CPU decoder, then crops, flips and resizes every image on the device
 with the same seeded draws as the Pillow path (:func:`~vitrain.data.transforms.seeded_sample_rngs`): on an
-image of the same size, the same crop box and flip. Random erasing and translation follow on the batch.
+image of the same size, the same crop box, flip and translation. Random erasing follows on the batch (the
+in-memory rule, drawn from a generator seeded by the batch's first sample: other boxes than the Pillow path's).
 
 A file that does not decode is found by decoding the batch's files one by one after the batched call
 failed; it is reported as a bad event (the loader counts it like the Pillow path) and, in training, its
@@ -16,10 +17,12 @@ tests it without a GPU.
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from collections.abc import Sequence
 
 import torch
+from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
@@ -39,7 +42,7 @@ Event = tuple[object, str, str]
 
 def encoded_tensor(data: bytes) -> torch.Tensor:
     """File bytes as the uint8 CPU tensor the decoder takes (and a DataLoader worker can send)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def build_device_transform(config: DataConfig, image_size: int, train: bool) -> v2.Compose:
@@ -74,10 +77,29 @@ class DeviceDecoder:
             warnings.simplefilter("ignore", DeprecationWarning)
             return decode_jpeg(items, mode=ImageReadMode.RGB, device=self.device)
 
+    def _refused(self, data: torch.Tensor) -> BadImage | None:
+        """What is wrong with a file before decoding: unreadable or empty, or more pixels than
+        data.max_image_pixels (read from the header)."""
+        if data.numel() == 0:
+            return BadImage("empty", "0 bytes (or the file could not be read)")
+        if bytes(data[:3].tolist()) != JPEG_MAGIC:
+            return None  # decoded by vitrain's decoder, which checks the size itself
+        try:
+            width, height = Image.open(io.BytesIO(data.numpy().tobytes())).size
+        except (OSError, ValueError):
+            return None  # the decoders below fail on it, and vitrain's says why
+        if width * height > self.config.max_image_pixels:
+            return BadImage("decompression_bomb", f"{width}x{height} pixels > data.max_image_pixels")
+        return None
+
     def decode(self, encoded: Sequence[torch.Tensor]) -> list[torch.Tensor | BadImage]:
         """Each image decoded to an RGB CHW uint8 tensor on the device, or the :class:`BadImage` it is."""
-        jpeg = [i for i, data in enumerate(encoded) if bytes(data[:3].tolist()) == JPEG_MAGIC]
         decoded: dict[int, torch.Tensor | BadImage] = {}
+        for index, data in enumerate(encoded):
+            refused = self._refused(data)
+            if refused is not None:
+                decoded[index] = refused
+        jpeg = [i for i, data in enumerate(encoded) if i not in decoded and bytes(data[:3].tolist()) == JPEG_MAGIC]
         if jpeg:
             with contextlib.suppress(RuntimeError):  # a bad file fails the batched call: found below, one by one
                 decoded.update(zip(jpeg, self._jpegs([encoded[i] for i in jpeg]), strict=True))
@@ -114,8 +136,8 @@ class DeviceDecoder:
         slots = [i if i in good else next((g for g in good if g > i), good[0]) for i in range(len(decoded))]
         slots = slots if self.train else good
         images = []
-        for slot in slots:
-            with seeded_sample_rngs(seeds[slot]):
+        for position, slot in zip(range(len(decoded)) if self.train else slots, slots, strict=True):
+            with seeded_sample_rngs(seeds[position]):  # a replacement keeps its slot's draws, as in the Pillow path
                 images.append(self.transform(decoded[slot]))
         batch = torch.stack(images)
         if self.train and self.config.random_erase:

@@ -399,7 +399,10 @@ class EncodedFiles(Dataset):
         from vitrain.data.device_decode import encoded_tensor
 
         index, seed = key
-        data = Path(self.samples[index][0]).read_bytes()
+        try:
+            data = Path(self.samples[index][0]).read_bytes()
+        except OSError:
+            data = b""  # the decoder reports an empty item as a bad image
         return encoded_tensor(data), self.samples[index][1], seed, index, (len(data), 1)
 
 
