@@ -25,6 +25,7 @@ from vitrain.data.transforms import (
     build_randaugment,
     build_three_augment,
     build_train_transform,
+    draws_python_rngs,
     seeded_sample_rngs,
 )
 from vitrain.train import make_plan
@@ -145,6 +146,24 @@ def test_seeded_sample_rngs_repeat_draws_and_leave_the_caller_s_streams_alone():
         draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
     assert draws[0] == draws[1] == draws[3]
     assert all(first != other for first, other in zip(draws[0], draws[2], strict=True))
+
+
+def test_only_randaugment_needs_the_python_and_numpy_generators_seeded():
+    config = make_config("data.image_size=16", "data.three_augment=true", "data.color_jitter=0.3").data
+    plain = build_train_transform(config, (0.5,) * 3)
+    assert not draws_python_rngs(plain)
+    with_ra = build_train_transform(config.model_copy(update={"randaugment": "rand-m9-mstd0.5-inc1"}), (0.5,) * 3)
+    assert draws_python_rngs(with_ra)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 20, 3), dtype=np.uint8))
+    outputs = []
+    for everything in (True, False):  # the torch-only seeding gives a torch-only transform the same output
+        random.seed(everything), np.random.seed(int(everything))
+        with seeded_sample_rngs(77, python_and_numpy=everything):
+            outputs.append(plain(image))
+    assert torch.equal(*outputs)
+    random.seed(1)
+    with seeded_sample_rngs(77, python_and_numpy=False):
+        assert random.random() == random.Random(1).random()  # Python's stream left as the caller's
 
 
 def test_in_memory_randaugment_is_timm_s_on_each_image_with_its_sample_seed():

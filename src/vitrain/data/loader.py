@@ -43,6 +43,7 @@ from vitrain.data.transforms import (
     build_eval_transform,
     build_per_image_augment,
     build_train_transform,
+    draws_python_rngs,
     eval_resize_size,
     last_crop_geometry,
     seeded_sample_rngs,
@@ -311,6 +312,7 @@ class ImageFileDataset(Dataset):
     ):
         self.samples, self.transform, self.draft_side = samples, transform, draft_side
         self.max_image_pixels, self.replace_bad, self.geometry = max_image_pixels, replace_bad, geometry
+        self.python_rngs = draws_python_rngs(transform)
         self.known_bad: dict[int, BadEvent] = {}  # per worker process: a bad file is decoded once
         self.bytes_read, self.files_opened = 0, 0  # per process, since the last take_read_counts()
 
@@ -342,7 +344,7 @@ class ImageFileDataset(Dataset):
                 continue
             # The transform draws from the global RNGs; seeded per sample, without disturbing the
             # caller's streams, augmentation is independent of workers and restarts.
-            with seeded_sample_rngs(seed):
+            with seeded_sample_rngs(seed, self.python_rngs):
                 tensor = self.transform(decoded)
             geometry = (float(used), *last_crop_geometry(self.transform)) if self.geometry else None
             return tensor, self.samples[used][1], events, geometry

@@ -51,7 +51,12 @@ from vitrain.data.loader import (
     draft_size,
     epoch_permutation,
 )
-from vitrain.data.transforms import build_eval_transform, build_train_transform, seeded_sample_rngs
+from vitrain.data.transforms import (
+    build_eval_transform,
+    build_train_transform,
+    draws_python_rngs,
+    seeded_sample_rngs,
+)
 
 INDEX_NAME = "index.json"
 PROGRESS_NAME = "progress.json"
@@ -464,6 +469,8 @@ class StreamSpec:
     """Training: batches of the epoch this process already took (a resumed epoch)."""
     buffer: int = 0
     limit: int | None = None
+    python_rngs: bool = True
+    """The transform draws from Python's or NumPy's generators too (seeded per sample then)."""
     known_bad: frozenset[str] = frozenset()
     """Samples found bad before: skipped without decoding (the same samples are skipped when a resumed epoch
     replays its streams)."""
@@ -487,7 +494,7 @@ def _decode_sample(spec: StreamSpec, name: str, sample: dict[str, Any], seed: in
         decoded = decode_image(sample[key], spec.draft_side, spec.max_image_pixels, name=f"{name}.{key}")
     except BadImage as error:
         return name, error.reason, error.detail
-    with seeded_sample_rngs(seed):
+    with seeded_sample_rngs(seed, spec.python_rngs):
         return spec.transform(decoded.image), label, len(sample[key])
 
 
@@ -734,6 +741,7 @@ class ShardLoader:
             buffer=config.wds_shuffle_buffer,
             limit=self.num_samples,
             known_bad=frozenset(self.bad_images.bad),
+            python_rngs=draws_python_rngs(self.transform),
         )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -34,10 +34,17 @@ def eval_resize_size(image_size: int, crop_pct: float) -> int:
 
 
 @contextlib.contextmanager
-def seeded_sample_rngs(seed: int) -> Iterator[None]:
+def seeded_sample_rngs(seed: int, python_and_numpy: bool = True) -> Iterator[None]:
     """Seed the generators a per-image transform draws from, for one sample: torch's CPU generator
-    (torchvision), Python's ``random`` and NumPy's global generator (timm's RandAugment); the caller's
-    states of all three are put back afterwards, so its own stream is not disturbed."""
+    (torchvision), and with ``python_and_numpy`` Python's ``random`` and NumPy's global generator (timm's
+    RandAugment; :func:`draws_python_rngs` tells whether a transform needs them: saving and restoring their
+    states is most of the cost at small image sizes); the caller's states are put back afterwards, so its own
+    streams are not disturbed."""
+    if not python_and_numpy:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+        return
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         # the CPU generator alone: torch.manual_seed also queues a seed for every CUDA device, with a
@@ -50,6 +57,14 @@ def seeded_sample_rngs(seed: int) -> Iterator[None]:
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
+
+
+def draws_python_rngs(transform: Callable | None) -> bool:
+    """Whether ``transform`` (or a step inside it) draws from Python's or NumPy's global generators: timm's
+    RandAugment does; torchvision's transforms draw from torch's alone."""
+    if isinstance(transform, auto_augment.RandAugment):
+        return True
+    return any(draws_python_rngs(step) for step in getattr(transform, "transforms", ()))
 
 
 def randaugment_hparams(image_size: int, mean: Sequence[float]) -> dict:
