@@ -23,7 +23,6 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from vitrain.data.loader import (
     TooManyBadImages,
     derive_seed,
     epoch_order,
+    image_folder_splits,
 )
 from vitrain.data.transforms import batch_random_erase, batch_random_translate, eval_resize_size
 
@@ -380,15 +380,11 @@ class DaliShardLoader:
 
 def build_dali_loaders(data: DataPlan) -> tuple[Any, Any]:
     """Train and eval loaders of ``data.backend=dali`` for the image folder or the shards."""
-    from vitrain.data import sources
-
     config = data.source
     if config.name == "webdataset":
         from vitrain.data.shards import shard_source
 
         source = shard_source(config)
         return DaliShardLoader(source, data, train=True), DaliShardLoader(source, data, train=False)
-    root = Path(sources.image_folder_root(config))
-    train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
-    eval_samples = sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
+    train_samples, eval_samples = image_folder_splits(config)
     return DaliFileLoader(train_samples, data, train=True), DaliFileLoader(eval_samples, data, train=False)

@@ -436,19 +436,6 @@ class FileLoader:
             return
         config = self.data.source
         self.image_size, self.batch_size = image_size, batch_size
-        transform = (
-            build_train_transform(config, self.data.mean, image_size)
-            if self.train
-            else build_eval_transform(config, image_size)
-        )
-        dataset = ImageFileDataset(
-            self.samples,
-            transform,
-            draft_size(config, image_size, self.train),
-            config.max_image_pixels,
-            replace_bad=self.train,
-            geometry=self.train and self.data.crop_geometry,
-        )
         self.decoder = None
         if config.decode == "gpu":
             from vitrain.data.device_decode import DeviceDecoder
@@ -458,7 +445,7 @@ class FileLoader:
         share = self.data.batch.per_process(batch_size)
         self.sampler.set_batch_size(batch_size, share)
         self.loader = DataLoader(
-            EncodedFiles(self.samples) if self.decoder else CountedReads(dataset),
+            EncodedFiles(self.samples) if self.decoder else CountedReads(self._decoding_dataset()),
             batch_size=share,
             sampler=self.sampler,
             collate_fn=collate_encoded if self.decoder else collate_counted,
@@ -467,6 +454,21 @@ class FileLoader:
             pin_memory=self.data.device.startswith("cuda"),
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
+        )
+
+    def _decoding_dataset(self) -> ImageFileDataset:
+        """The files decoded and transformed in the workers, at the configured image size."""
+        config, size = self.data.source, self.image_size
+        transform = (
+            build_train_transform(config, self.data.mean, size) if self.train else build_eval_transform(config, size)
+        )
+        return ImageFileDataset(
+            self.samples,
+            transform,
+            draft_size(config, size, self.train),
+            config.max_image_pixels,
+            replace_bad=self.train,
+            geometry=self.train and self.data.crop_geometry,
         )
 
     def __len__(self) -> int:
@@ -510,6 +512,13 @@ def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
     return dataset.limit(limit).to(data.device)
 
 
+def image_folder_splits(config: DataConfig) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The ``(path, class index)`` samples of an image folder's training and evaluation splits, limited."""
+    root = Path(sources.image_folder_root(config))
+    train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
+    return train_samples, sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
+
+
 def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
     """Train and eval loaders for the plan's data source."""
     config = data.source
@@ -522,9 +531,7 @@ def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemory
 
         return build_shard_loaders(data)
     if config.name == "imagefolder":
-        root = Path(sources.image_folder_root(config))
-        train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
-        eval_samples = sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
+        train_samples, eval_samples = image_folder_splits(config)
         return FileLoader(train_samples, data, train=True), FileLoader(eval_samples, data, train=False)
     return InMemoryLoader(in_memory_split(data, "train"), data, True), InMemoryLoader(
         in_memory_split(data, "eval"), data, False
