@@ -253,5 +253,28 @@ def test_cache_state_reads_torch_cache(monkeypatch, tmp_path):
     assert cpu.build.cache_state() == ("fresh", library)
     (folder / "build.ninja").write_text("build module.o: compile /elsewhere/module.cpp\n")
     assert cpu.build.cache_state()[0] == "stale"
-    (folder / "lock").write_bytes(b"")
-    assert cpu.build.cache_state() == ("locked", folder / "lock")
+
+
+def test_a_lock_file_locks_the_cache_only_as_torch_locks_it(monkeypatch, tmp_path):
+    """torch 2.14's loader holds an OS lock on ``lock`` and leaves the file behind: locked only while a
+    process holds it; with the older lock file (its existence is the lock) the file alone locks."""
+    from filelock import FileLock
+
+    folder = tmp_path / cpu.build.extension_name()
+    folder.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    library, lock = folder / f"{cpu.build.extension_name()}.so", folder / "lock"
+    library.write_bytes(b"")
+    (folder / "build.ninja").write_text(f"build module.o: compile {cpu.build.SOURCES[0]}\n")
+    lock.write_bytes(b"")  # left by a build that ended
+    monkeypatch.setattr(cpu.build, "lock_kind", lambda: "advisory")
+    assert cpu.build.cache_state() == ("fresh", library)
+    with FileLock(lock):  # a build under way
+        assert cpu.build.cache_state() == ("locked", lock)
+        (line,) = cpu.check_kernels(Context(synthetic_config()))
+        assert line.status == "WARN" and "building them now" in line.value and "wait" in line.fix
+    assert cpu.build.cache_state() == ("fresh", library) and lock.exists()
+    monkeypatch.setattr(cpu.build, "lock_kind", lambda: "file")
+    assert cpu.build.cache_state() == ("locked", lock)
+    (line,) = cpu.check_kernels(Context(synthetic_config()))
+    assert line.status == "WARN" and f"delete {lock}" in line.fix

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -787,3 +792,54 @@ def test_bf16_without_native_support_warns_once_that_fp32_is_faster(fresh_paths,
             fresh_paths.warn_if_bf16_emulated("cpu", "bf16")
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 1 and "emulated" in messages[0] and "precision=fp32 (or auto) is faster" in messages[0]
+
+
+def test_an_error_of_the_kernels_reaches_python_and_the_build_was_checked_for_it(built):
+    with pytest.raises(RuntimeError, match="a message from C\\+\\+"):
+        built.raise_error("a message from C++")
+    library = Path(built.__file__)
+    marker = library.with_name(library.name + ".errors-ok")
+    assert marker.read_text() == str(library.stat().st_mtime_ns)  # the load checked this build
+    marker.unlink()
+    kernels.build.check_error_path(library)  # the real child process, on the real build
+    assert marker.read_text() == str(library.stat().st_mtime_ns)
+
+
+def _crashing_child():
+    return [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+
+
+def test_a_build_that_dies_on_its_own_errors_is_not_used(tmp_path, monkeypatch, caplog):
+    """A toolchain whose errors kill the process (injected: the check's child dies by SIGSEGV) falls back
+    to PyTorch's ops with the reason and the fix, as a build that does not compile."""
+    library = tmp_path / "vitrain_cpu_kernels_x.so"
+    library.write_bytes(b"")
+    monkeypatch.setattr(kernels.build, "_load_extension", lambda: types.SimpleNamespace(__file__=str(library)))
+    monkeypatch.setattr(kernels.build, "error_check_command", _crashing_child)
+    monkeypatch.setattr(kernels.build, "_module", None)
+    monkeypatch.setattr(kernels.build, "_failure", None)
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        assert kernels.load() is None
+    reason = kernels.build.failure()
+    assert "killed by signal 11 (SIGSEGV)" in reason and "CXX=/usr/bin/g++" in reason, reason
+    assert "cpu_kernels=native" in reason and any(reason in record.getMessage() for record in caplog.records)
+    assert not library.with_name(library.name + ".errors-ok").exists()
+
+
+def test_the_error_path_check_runs_once_per_build(tmp_path, monkeypatch):
+    library = tmp_path / "vitrain_cpu_kernels_x.so"
+    library.write_bytes(b"")
+    runs = []
+    real_run = subprocess.run
+    monkeypatch.setattr(kernels.build.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    monkeypatch.setattr(kernels.build, "error_check_command", lambda: [sys.executable, "-c", "pass"])
+    kernels.build.check_error_path(library)
+    kernels.build.check_error_path(library)
+    assert len(runs) == 1
+    os.utime(library, ns=(0, library.stat().st_mtime_ns + 10**9))  # rebuilt: checked again
+    kernels.build.check_error_path(library)
+    assert len(runs) == 2
+    monkeypatch.setattr(kernels.build, "error_check_command", lambda: [sys.executable, "-c", "raise SystemExit(4)"])
+    os.utime(library, ns=(0, library.stat().st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match="raised nothing"):
+        kernels.build.check_error_path(library)

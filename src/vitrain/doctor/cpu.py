@@ -104,6 +104,9 @@ def _compiler() -> str | None:
 
 def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | None, data: dict) -> Check:
     """The line for a cache :func:`load` would compile into or wait on (minutes): the doctor does not load."""
+    if state == "locked" and build.lock_kind() == "advisory":
+        fix = "wait for that build to end (torch releases its lock when the builder ends, even killed)"
+        return Check(SECTION, "fused kernels", "WARN", f"locked: a process is building them now ({path})", fix, data)
     if state == "locked":
         fix = f"if no vitrain or ninja process is building them now, delete {path} (a killed build left it)"
         return Check(SECTION, "fused kernels", "WARN", f"locked: {path} exists, loading waits for it", fix, data)

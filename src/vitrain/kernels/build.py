@@ -6,13 +6,23 @@ The sources beside this file are compiled on first use by torch's JIT extension 
 vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C++) and cached by torch
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); building needs a C++ compiler
 and ninja (a dependency of the package). ``train.cpu_kernels=fused`` makes a failed build an error.
+
+Each new build is checked once, in a child process, for one thing a compile cannot show: that an error
+raised in its C++ code reaches Python as a ``RuntimeError``. With a compiler whose unwind tables the
+runtime's unwinder cannot walk, the first such error kills the process (seen once with a separately
+installed g++ beside torch 2.11); a build that fails the check is not used, as one that does not compile.
+The verdict is kept beside the library (``<library>.errors-ok``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -82,16 +92,45 @@ def cached_build() -> Path | None:
 CacheState = Literal["missing", "locked", "stale", "fresh"]
 
 
+def lock_kind() -> Literal["advisory", "file"]:
+    """How torch's extension loader locks a build folder: ``advisory`` (torch >= 2.14: an OS lock on the
+    ``lock`` file, released when its holder ends, the file itself left behind) or ``file`` (the file's
+    existence is the lock: a killed build leaves it, and every later load waits for it forever)."""
+    return "advisory" if hasattr(_cpp_extension(), "FileLock") else "file"
+
+
+def lock_held(lock: Path) -> bool:
+    """Whether loading would wait on torch's ``lock`` of a build folder (see :func:`lock_kind`)."""
+    if not lock.exists():
+        return False
+    if lock_kind() == "file":
+        return True
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False  # gone meanwhile, or not ours to lock: torch's own open would tell
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # another process builds now
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def cache_state() -> tuple[CacheState, Path | None]:
     """What :func:`load` would find in torch's cache, without loading: ``missing`` (it compiles, minutes),
-    ``locked`` (torch's ``lock`` file is there: a build is under way, or a killed build left it and every
-    load waits for it forever), ``stale`` (a build older than the sources or of other sources: it
-    recompiles) or ``fresh`` (it loads). Returns the state and the library (or lock) path."""
+    ``locked`` (torch's build lock is held: a build is under way, or with torch's older lock file a killed
+    build left it and every load waits for it forever; :func:`lock_held`), ``stale`` (a build older than
+    the sources or of other sources: it recompiles) or ``fresh`` (it loads). Returns the state and the
+    library (or lock) path."""
     library = cached_build()
     if library is None:
         return "missing", None
     lock = library.parent / "lock"
-    if lock.exists():
+    if lock_held(lock):
         return "locked", lock
     ninja_file = library.parent / "build.ninja"
     built_from_these = ninja_file.is_file() and str(SOURCES[0]) in ninja_file.read_text()
@@ -119,6 +158,68 @@ def _cpp_extension() -> ModuleType:
 
 
 def _build() -> ModuleType:
+    """The extension, compiled or loaded from torch's cache, after its error-path check."""
+    module = _load_extension()
+    check_error_path(Path(module.__file__))
+    return module
+
+
+ERROR_CHECK_MESSAGE = "vitrain kernels: error-path check"
+_ERROR_CHECK = f"""
+import sys
+from vitrain.kernels import build
+try:
+    build._load_extension().raise_error({ERROR_CHECK_MESSAGE!r})
+except RuntimeError as error:
+    sys.exit(0 if {ERROR_CHECK_MESSAGE!r} in str(error) else 3)
+sys.exit(4)
+"""
+
+
+def error_check_command() -> list[str]:
+    """The child process of :func:`check_error_path`: loads the built extension and makes it raise."""
+    return [sys.executable, "-c", _ERROR_CHECK]
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return {3: "raised an error without the message", 4: "raised nothing"}.get(returncode, f"exited {returncode}")
+
+
+def check_error_path(library: Path) -> None:
+    """Raise ``RuntimeError`` unless an error raised in ``library``'s C++ code reaches Python in a child
+    process; a passed check is kept in ``<library>.errors-ok`` (the library's mtime), so it runs once per
+    build."""
+    marker = library.with_name(library.name + ".errors-ok")
+    stamp = str(library.stat().st_mtime_ns)
+    try:
+        if marker.read_text() == stamp:
+            return
+    except OSError:
+        pass  # not checked yet
+    source_root = str(Path(__file__).resolve().parents[2])  # the child imports this vitrain
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+    try:
+        result = subprocess.run(error_check_command(), env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the kernels' error-path check did not finish in 300 s") from None
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"the built kernels cannot raise an error: a process that made them raise one {_describe_exit(result.returncode)}"
+            f" ({library}); build them with the compiler torch was built with (CXX=/usr/bin/g++, then remove "
+            f"{library.parent}) or set train.cpu_kernels=native"
+        )
+    try:
+        marker.write_text(stamp)
+    except OSError as error:  # a read-only cache costs a check per process, not the kernels
+        log.debug("could not record the kernels' error-path check in %s: %s", marker, error)
+
+
+def _load_extension() -> ModuleType:
     cpp_extension = _cpp_extension()
     missing = [path.name for path in SOURCES + HEADERS if not path.is_file()]
     if missing:  # an install that left them out; the compiler's own message would not say so

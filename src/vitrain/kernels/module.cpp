@@ -5,7 +5,13 @@
 
 #include "kernels.h"
 
+// Raises a c10::Error as every TORCH_CHECK of the kernels does. vitrain.kernels.build calls it once per
+// build in a child process: where the compiler's unwind tables do not suit the runtime's unwinder, the
+// first error of the extension kills the process instead of reaching Python, and the kernels are not used.
+static void raise_error(const std::string& message) { TORCH_CHECK(false, message); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("raise_error", &raise_error, "raise a c10::Error with this message (the build's error-path check)");
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm over the last dimension, bf16 in and out",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("branch") = py::none());
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward with float32 accumulation",
