@@ -273,12 +273,23 @@ def _add_bench_parser(commands) -> None:
         help="torch.compile backend of --compile and the ladder's compile rung (default inductor; "
         "aot_eager or eager trace without generating kernels, for dry runs)",
     )
+    bench.add_argument(
+        "--compile-mode",
+        choices=["default", "max-autotune-no-cudagraphs"],
+        default="default",
+        help="torch.compile mode of --compile, ours and timm's (train.compile_mode)",
+    )
     bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     bench.add_argument("--repeats", type=int, default=5, help="timed windows; img/s is their median (default 5)")
     bench.add_argument("--json", type=Path, help="also write the result as JSON to this file")
     bench.add_argument(
         "--compare-timm", action="store_true", help="also time the timm model of the same architecture, timm's way"
+    )
+    bench.add_argument(
+        "--timm-eager",
+        action="store_true",
+        help="with --compare-timm --compile: also time timm eager, as its train.py runs by default",
     )
     bench.add_argument(
         "--ladder",
@@ -614,7 +625,10 @@ def command_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         compile=args.compile,
         compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
     )
+    if args.timm_eager and not (args.compare_timm and args.compile):
+        raise ConfigError("--timm-eager times timm uncompiled beside a compiled run: add --compare-timm and --compile")
     base = get_recipe(args.recipe) if args.recipe else Config()
     flags = bench_overrides(args.model, args.image_size, args.batch, args.precision, args.precision_mode, settings)
     if args.ladder:
@@ -624,7 +638,10 @@ def command_bench(args: argparse.Namespace) -> int:
         return _bench_scaling(args, config)
     with processes(config) as world:
         plan = make_plan(config, world)
-        result = compare_with_timm(plan, settings) if args.compare_timm else measure_training_step(plan, settings)
+        if args.compare_timm:
+            result = compare_with_timm(plan, settings, timm_eager=args.timm_eager)
+        else:
+            result = measure_training_step(plan, settings)
     if world.is_main:
         print(format_table(result))
         _write_json(args.json, result)
@@ -710,15 +727,19 @@ def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], sett
 
     from vitrain.bench import format_ladder, ladder_rungs, plot_ladder, run_ladder
     from vitrain.models import model_spec
+    from vitrain.train.attention_probe import candidates as attention_candidates
 
     try:
         fields = {field.name for field in dataclasses.fields(model_spec(args.model).args)}
     except KeyError as error:
         raise ConfigError(f"--model: {error.args[0]}") from None
-    rungs = ladder_rungs(args.precision, with_attention="attn_impl" in fields, with_compile=True)
-    result = run_ladder(
-        lambda extra: make_plan(build_config(base, args.config, flags + args.overrides + extra)), settings, rungs
-    )
+
+    def plan_for(extra: list[str]):
+        return make_plan(build_config(base, args.config, flags + args.overrides + extra))
+
+    attention = attention_candidates(plan_for([]).device) if "attn_impl" in fields else ()
+    rungs = ladder_rungs(args.precision, attention, with_compile=True)
+    result = run_ladder(plan_for, settings, rungs)
     print(format_ladder(result))
     _write_json(args.json, result)
     plot_path = args.plot or (args.json.with_suffix(".png") if args.json else Path(f"ladder-{args.model}.png"))

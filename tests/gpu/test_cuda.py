@@ -137,6 +137,41 @@ def test_vit_attention_sdpa_equals_matmul_attention():
     assert relative_error(model(images), logits_sdpa) < 1e-5
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kernel", list(SDPA_BACKENDS))
+def test_a_pinned_sdpa_kernel_is_the_one_that_runs_in_the_model(kernel, compiled):
+    """model.attn_impl=sdpa_<kernel> (the attention probe's CUDA candidates): that kernel's op forward and
+    backward, eager and under inductor; logits and gradients as torch's own SDPA choice within bf16
+    rounding (5 % relative L2 of the logits and of all gradients together: the kernels round bf16 outputs
+    differently, and 12 blocks add it up)."""
+    torch.manual_seed(0)
+    reference = build_model("vit_small_patch16", device="cuda", num_classes=10).bfloat16()
+    pinned = build_model("vit_small_patch16", device="cuda", num_classes=10, attn_impl=f"sdpa_{kernel}").bfloat16()
+    pinned.load_state_dict(reference.state_dict())
+    if compiled:
+        torch._dynamo.reset()
+        pinned.compile()
+    images = torch.randn(8, 3, 224, 224, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    try:
+        with torch.profiler.profile(activities=activities) as profile:
+            out = pinned(images)
+            out.float().square().sum().backward()
+    except RuntimeError as error:  # a kernel this GPU or build lacks is reported, not failed
+        pytest.skip(f"SDPA {kernel} kernel not usable here: {error}")
+    names = {event.key for event in profile.key_averages()}
+    assert f"aten::_scaled_dot_product_{kernel}_attention" in names, sorted(n for n in names if "attention" in n)
+    assert f"aten::_scaled_dot_product_{kernel}_attention_backward" in names
+    expected = reference(images)
+    expected.float().square().sum().backward()
+    assert relative_error(out, expected) < 5e-2
+
+    def gradient(model):
+        return torch.cat([param.grad.flatten().float() for param in model.parameters()])
+
+    assert relative_error(gradient(pinned), gradient(reference)) < 5e-2
+
+
 def test_fused_adamw_equals_the_for_loop_one():
     torch.manual_seed(0)
     model = build_model("vit_tiny6_patch7", device="cuda", num_classes=10)

@@ -82,3 +82,64 @@ def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):
         model, torch.empty(1, 1, 28, 28, device="meta"), 8, precision_policy("fp32", "autocast", "cpu")
     )
     assert attention_probe.attention_impl(model) == "sdpa"
+
+
+def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_is_left_out(cache_dir, monkeypatch):
+    policy = precision_policy("bf16", "o2", "cuda")
+    milliseconds = {"sdpa": 3.0, "matmul": 5.0, "sdpa_flash": 3.0, "sdpa_cudnn": 2.0}
+
+    def fake_timing(impl, shape, batch, policy):
+        if impl == "sdpa_efficient":
+            raise RuntimeError("No available kernel. Aborting execution.\nmore lines")
+        return milliseconds[impl] / 1e3
+
+    monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
+    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+    model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
+    assert attention_probe.choose_attention(model, images, 64, policy) == {(17, 192, 3): "sdpa_cudnn"}
+    assert attention_probe.attention_impl(model) == "sdpa_cudnn"
+    assert {m.core.backend for m in model.modules() if isinstance(m, attention_probe.Attention)} == {"sdpa_cudnn"}
+    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    assert entry["unavailable"] == {"sdpa_efficient": "No available kernel. Aborting execution."}
+    assert {key for key in entry if key.endswith("_ms")} == {f"{impl}_ms" for impl in milliseconds}
+
+    milliseconds["sdpa_cudnn"] = 9.0  # cached: not timed again
+    assert attention_probe.choose_attention(_meta_model(), images, 64, policy) == {(17, 192, 3): "sdpa_cudnn"}
+
+
+def test_a_cached_entry_without_the_cuda_candidates_is_measured_again(cache_dir, monkeypatch):
+    policy = precision_policy("bf16", "o2", "cuda")
+    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+    key = attention_probe._key((17, 192, 3), 64, policy)
+    cache_dir.mkdir()  # as the probe wrote it before the pinned kernels were candidates
+    (cache_dir / "attention.json").write_text(json.dumps({key: {"impl": "sdpa", "sdpa_ms": 1.0, "matmul_ms": 2.0}}))
+    timed = []
+    monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: timed.append(impl) or 1.0)
+    attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
+    assert sorted(timed) == sorted(attention_probe.CUDA_IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize(("impl", "kernel"), [("sdpa_flash", "flash_attention"), ("sdpa_math", "attention_math")])
+def test_a_pinned_sdpa_kernel_runs_that_kernel_with_the_same_result(impl, kernel):
+    torch.manual_seed(0)
+    reference = build_model("vit_tiny6_patch7", img_size=28, in_chans=1)
+    pinned = build_model("vit_tiny6_patch7", img_size=28, in_chans=1, attn_impl=impl)
+    pinned.load_state_dict(reference.state_dict())
+    images = torch.randn(3, 1, 28, 28)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = pinned(images)
+        out.square().sum().backward()
+    names = {event.key for event in profile.key_averages()}
+    assert any(kernel in name for name in names), sorted(n for n in names if "attention" in n)
+    other = "attention_math" if kernel == "flash_attention" else "flash_attention"
+    assert not any(other in name for name in names)
+    assert attention_probe.attention_impl(pinned) == impl
+    torch.testing.assert_close(out, reference(images), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa_cudnn", "sdpa_efficient"])
+def test_cuda_only_kernels_are_refused_on_the_cpu_naming_the_choices(impl, small_synthetic_overrides):
+    from vitrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model.attn_impl={impl} .* CUDA only .* use sdpa, sdpa_flash"):
+        make_plan(make_config(*small_synthetic_overrides, f"model.attn_impl={impl}", "train.device=cpu"))

@@ -97,6 +97,37 @@ def test_compare_timm_times_both_with_the_same_harness(tmp_path, capsys):
     assert "vit_tiny_patch16_224" in printed and f"vitrain / timm img/s: {result['ours_over_timm']:.3f}" in printed
 
 
+def test_timm_eager_times_timm_uncompiled_beside_a_compiled_run(tmp_path, capsys, monkeypatch):
+    """``--timm-eager``: timm as its train.py runs by default, in the same process as the compiled runs;
+    ``--compile-mode`` reaches torch.compile for ours and the compiled timm (an ``eager`` backend that
+    records its calls stands in for inductor)."""
+    pytest.importorskip("timm")
+    modes = []
+    real_compile = torch.nn.Module.compile
+
+    def recording_compile(module, *args, **kwargs):
+        modes.append((type(module).__name__, kwargs.get("mode")))
+        return real_compile(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", recording_compile)
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", "vit_tiny_patch16", "--image-size", "32", "--batch", "2", "--precision", "fp32"]
+    argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--compile", "--compile-backend", "eager"]
+    argv += ["--compile-mode", "max-autotune-no-cudagraphs", "--compare-timm", "--timm-eager", "--json", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    ours, compiled, eager = result, result["timm"], result["timm_eager"]
+    assert (ours["compile"], compiled["compile"], eager["compile"]) == (True, True, False)
+    assert (ours["compile_mode"], compiled["compile_mode"], eager["compile_mode"]) == (
+        "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", None
+    )  # fmt: skip
+    assert modes == [("VisionTransformer", "max-autotune-no-cudagraphs")] * 2  # ours, then timm's; eager: none
+    assert result["ours_over_timm_eager"] == pytest.approx(ours["img_s_median"] / eager["img_s_median"])
+    printed = capsys.readouterr().out
+    assert "timm eager" in printed.splitlines()[0]
+    assert f"vitrain / timm eager img/s: {result['ours_over_timm_eager']:.3f}" in printed
+
+
 def test_timm_reference_maps_locality_and_small_vits_to_plain_timm_vits():
     timm = pytest.importorskip("timm")
     plan, _ = _plan("locality_vit_small_patch16", 32, 2)
@@ -236,6 +267,8 @@ def test_cuda_peak_without_a_figure_gives_a_reason():
         (["--model", "vit_tiny_patch16", "--image-size", "32", "--compile", "--warmup", "0"], "--warmup must be >= 1"),
         (["--model", "localvit_tiny_patch16", "--image-size", "32", "--compare-timm"], "has no timm equivalent"),
         (["--model", "volo_d1", "--image-size", "32", "--recipe", "fmnist"], "set model.head=null"),
+        (["--model", "vit_tiny_patch16", "--image-size", "32", "--compare-timm", "--timm-eager"], "add --compare-timm"),
+        (["--model", "vit_tiny_patch16", "--image-size", "32", "--compile", "--timm-eager"], "and --compile"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(argv, needle, capsys):
@@ -258,7 +291,7 @@ def test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_th
     from vitrain.bench import ladder_rungs, run_ladder
 
     plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
-    result = run_ladder(plan_for, settings, ladder_rungs("bf16", with_attention=True, with_compile=True))
+    result = run_ladder(plan_for, settings, ladder_rungs("bf16", ("sdpa", "matmul"), with_compile=True))
     rows = result["rungs"]
     assert [row["rung"] for row in rows] == [
         "fp32 baseline",
@@ -286,6 +319,20 @@ def test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_th
     assert result["skipped"] == []
 
 
+def test_the_attention_rung_measures_every_candidate_of_the_device():
+    from vitrain.bench import ladder_rungs
+    from vitrain.train.attention_probe import candidates
+
+    def attention_rung(device):
+        rungs = {rung.name: rung for rung in ladder_rungs("bf16", candidates(device), with_compile=True)}
+        return rungs["+ attention choice"].alternatives
+
+    assert attention_rung("cpu") == (("model.attn_impl=sdpa",), ("model.attn_impl=matmul",))
+    pinned = {f"model.attn_impl=sdpa_{kernel}" for kernel in ("flash", "efficient", "cudnn")}
+    assert {choice for (choice,) in attention_rung("cuda:0")} == pinned | set(sum(attention_rung("cpu"), ()))
+    assert "+ attention choice" not in {rung.name for rung in ladder_rungs("bf16", (), with_compile=True)}
+
+
 @pytest.mark.parametrize("compile_pays", [True, False])
 def test_ladder_carries_compile_forward_only_if_it_measured_faster(monkeypatch, compile_pays):
     """Measurements injected (a real compile's speed depends on the host): compile 1.5x the rung before
@@ -302,9 +349,7 @@ def test_ladder_carries_compile_forward_only_if_it_measured_faster(monkeypatch, 
 
     monkeypatch.setattr(ladder, "measure_training_step", fake_measure)
     plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
-    rows = ladder.run_ladder(plan_for, settings, ladder.ladder_rungs("bf16", with_attention=False, with_compile=True))[
-        "rungs"
-    ]
+    rows = ladder.run_ladder(plan_for, settings, ladder.ladder_rungs("bf16", (), with_compile=True))["rungs"]
     names = [row["rung"] for row in rows]
     compiled = rows[names.index("+ torch.compile")]
     assert compiled["compile"] and compiled["settings"][-1] == "--compile"

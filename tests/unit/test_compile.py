@@ -79,3 +79,25 @@ def test_compiled_training_equals_eager(compile_overrides, tmp_path):
         assert torch.allclose(ours[key], reference[key], rtol=1e-4, atol=1e-6), key
     events = [record for record in read_jsonl(compiled.out_dir / "metrics.jsonl") if record["event"] == "compile"]
     assert len(events) == 1 and events[0]["shapes"] == [[6, 14], [4, 14], [6, 28], [4, 28]]
+
+
+def test_the_compile_mode_reaches_every_block_and_needs_inductor(compile_overrides, monkeypatch):
+    from vitrain.config import ConfigError
+    from vitrain.train.build import build_training_step
+
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **kwargs: calls.append((module, kwargs)))
+    mode, compiled = "train.compile_mode=max-autotune-no-cudagraphs", [*compile_overrides, "train.compile=true"]
+    plan = make_plan(make_config(*compiled, "train.compile_backend=inductor", mode))
+    model = build_training_step(plan).forward_module
+    assert [module for module, _ in calls] == list(model.block_modules())
+    assert all(
+        kwargs == {"backend": "inductor", "dynamic": False, "mode": "max-autotune-no-cudagraphs"} for _, kwargs in calls
+    )
+    calls.clear()
+    build_training_step(make_plan(make_config(*compiled, "train.compile_backend=inductor")))
+    assert calls and all(kwargs["mode"] is None for _, kwargs in calls)  # default: torch's own
+    with pytest.raises(ConfigError, match="compile_mode=max-autotune-no-cudagraphs is a mode of inductor"):
+        make_plan(make_config(*compiled, "train.compile_backend=counting_backend", mode))
+    with pytest.raises(ConfigError, match="compile_mode"):
+        make_config(*compile_overrides, "train.compile_mode=turbo")

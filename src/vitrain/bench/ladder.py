@@ -2,8 +2,8 @@
 the previous rungs' settings and adds one technique; throughput is reported relative to the first.
 
 fp32 baseline (for-loop optimizer, SDPA, eager, autocast) -> + low precision (bf16/fp16 autocast)
--> + fused optimizer -> + attention choice (SDPA and the explicit matmul path both measured, the
-faster kept) -> + torch.compile (kept for the next rungs only if it measured faster than the rung
+-> + fused optimizer -> + attention choice (SDPA and the explicit matmul path measured, on CUDA also SDPA
+pinned to each of its kernels; the fastest kept) -> + torch.compile (kept for the next rungs only if it measured faster than the rung
 before) -> + O2 weights -> + activation checkpointing on
 every block (a memory rung: it trades speed for activation memory).
 """
@@ -41,15 +41,18 @@ class Rung:
     """Carried to the next rungs only if this rung measured faster than the one before."""
 
 
-def ladder_rungs(precision: str, with_attention: bool, with_compile: bool) -> list[Rung]:
+def ladder_rungs(precision: str, attention: tuple[str, ...], with_compile: bool) -> list[Rung]:
+    """The rungs for ``precision``; ``attention``: the ``model.attn_impl`` values the attention rung measures
+    side by side (none: no such rung, for models without attention)."""
     low = precision if precision != "fp32" else "bf16"
     rungs = [
         Rung("fp32 baseline", ("precision=fp32", "precision_mode=autocast", "optim.implementation=for-loop")),
         Rung(f"+ {low} autocast", (f"precision={low}",)),
         Rung("+ fused optimizer", ("optim.implementation=fused",)),
     ]
-    if with_attention:
-        rungs.append(Rung("+ attention choice", alternatives=(("model.attn_impl=sdpa",), ("model.attn_impl=matmul",))))
+    if attention:
+        choices = tuple((f"model.attn_impl={impl}",) for impl in attention)
+        rungs.append(Rung("+ attention choice", alternatives=choices))
     if with_compile:
         rungs.append(Rung("+ torch.compile", compile=True, keep_if_faster=True))
     rungs.append(Rung(f"+ {low} O2 weights", ("precision_mode=o2",)))

@@ -34,6 +34,7 @@ from vitrain.metrics.records import run_environment
 from vitrain.metrics.utilization import achieved_tflops, training_flops, utilization
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
+from vitrain.parallel.parallelize import compile_mode_argument
 from vitrain.train.attention_probe import attention_impl
 from vitrain.train.build import build_training_step
 from vitrain.train.summary import describe_precision
@@ -58,6 +59,8 @@ class BenchSettings:
     """``torch.compile`` the module that runs the forward pass."""
     compile_backend: str = "inductor"
     """torch.compile backend (tests use ``eager`` to exercise the path quickly)."""
+    compile_mode: str = "default"
+    """torch.compile mode (``train.compile_mode``), for our model and timm's."""
 
     def __post_init__(self) -> None:
         for name, minimum in (("steps", 1), ("repeats", 1), ("warmup", 1 if self.compile else 0)):
@@ -202,6 +205,7 @@ def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
         "batch": plan.batch.global_batch,
         "precision": plan.precision.dtype,
         "compile": settings.compile,
+        "compile_mode": settings.compile_mode if settings.compile else None,
         "steps": settings.steps,
         "warmup": settings.warmup,
         "repeats": settings.repeats,
@@ -215,7 +219,7 @@ def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
 def apply_compile(module: nn.Module, settings: BenchSettings) -> None:
     """Compile ``module`` in place (its parameters and state-dict keys stay the same)."""
     if settings.compile:
-        module.compile(backend=settings.compile_backend)
+        module.compile(backend=settings.compile_backend, mode=compile_mode_argument(settings.compile_mode))
 
 
 def with_bench_compile(plan: Plan, settings: BenchSettings) -> Plan:
@@ -226,7 +230,11 @@ def with_bench_compile(plan: Plan, settings: BenchSettings) -> Plan:
         return plan
     scope = "blocks" if plan.parallel.activation_checkpointing else "model"
     parallel = dataclasses.replace(
-        plan.parallel, compile=True, compile_backend=settings.compile_backend, compile_scope=scope
+        plan.parallel,
+        compile=True,
+        compile_backend=settings.compile_backend,
+        compile_mode=settings.compile_mode,
+        compile_scope=scope,
     )
     return dataclasses.replace(plan, parallel=parallel)
 
@@ -279,6 +287,7 @@ _TABLE_ROWS = (
     ("optimizer", "optimizer"),
     ("attention", "attn_impl"),
     ("compile", "compile"),
+    ("compile mode", "compile_mode"),
     ("device", "device"),
     ("device name", "device_name"),
     ("threads", "threads"),
@@ -313,22 +322,28 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
+_TIMM_COLUMNS = (("timm", "timm"), ("timm eager", "timm_eager"))
+"""The timm records of ``--compare-timm`` (and ``--timm-eager``): column name, key in the result."""
+
+
 def format_table(result: dict[str, Any]) -> str:
     """One table: a column for our measurement and, after ``--compare-timm``, one for timm's."""
-    records = [result] + ([result["timm"]] if "timm" in result else [])
-    rows = [("", *[record["implementation"] for record in records])]
+    columns = {result["implementation"]: result} | {name: result[key] for name, key in _TIMM_COLUMNS if key in result}
+    names, records = list(columns), list(columns.values())
+    rows = [("", *names)]
     for label, key in _TABLE_ROWS:
         if any(record.get(key) is not None for record in records):
             rows.append((label, *[_cell(key, record.get(key)) for record in records]))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     notes = []
-    for record in records:
-        name = record["implementation"]
+    for name, record in columns.items():
         notes.append(f"{name} peak: {record['peak_source']}")
         for key in ("peak_memory_reason", "mfu_reason"):
             if record.get(key):
                 notes.append(f"{name} {key.removesuffix('_reason').replace('_', ' ')}: {record[key]}")
     if "ours_over_timm" in result:
         notes.append(f"vitrain / timm img/s: {result['ours_over_timm']:.3f}")
+    if "ours_over_timm_eager" in result:
+        notes.append(f"vitrain / timm eager img/s: {result['ours_over_timm_eager']:.3f}")
     return "\n".join(lines + notes)

@@ -186,16 +186,19 @@ def _release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def compare_with_timm(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
-    """Our record, with the timm reference's record under ``timm`` and ``ours_over_timm`` (img/s ratio)."""
+def compare_with_timm(plan: Plan, settings: BenchSettings, timm_eager: bool = False) -> dict[str, Any]:
+    """Our record, with the timm reference's record under ``timm`` and ``ours_over_timm`` (img/s ratio).
+    ``timm_eager`` with ``settings.compile``: timm also as its ``train.py`` runs by default, not compiled,
+    under ``timm_eager`` and ``ours_over_timm_eager``."""
     _import_timm()
     reference = timm_reference(plan)  # fail on a model timm lacks before measuring anything
     ours = measure_training_step(plan, settings)
     _release_memory(plan.device)
     theirs = measure_timm_training_step(plan, settings, reference)
     _release_memory(plan.device)
-    return {
-        **ours,
-        "timm": theirs,
-        "ours_over_timm": ours["img_s_median"] / theirs["img_s_median"],
-    }
+    result = {**ours, "timm": theirs, "ours_over_timm": ours["img_s_median"] / theirs["img_s_median"]}
+    if timm_eager and settings.compile:
+        eager = measure_timm_training_step(plan, dataclasses.replace(settings, compile=False), reference)
+        _release_memory(plan.device)
+        result |= {"timm_eager": eager, "ours_over_timm_eager": ours["img_s_median"] / eager["img_s_median"]}
+    return result

@@ -149,6 +149,8 @@ class ParallelPlan:
     """Blocks whose activations are recomputed in the backward (all: every one; 0: none)."""
     compile: bool
     compile_backend: str
+    compile_mode: str = "default"
+    """torch.compile's mode (``train.compile_mode``)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
     """blocks: each block compiled (training); model: the whole module (``vitrain bench --compile``)."""
     fsdp_reshard: Literal["zero2", "zero3"] = "zero3"

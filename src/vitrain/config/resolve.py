@@ -407,6 +407,13 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str
         f"data.translate={config.data.translate} shifts a {config.data.image_size}-pixel image out of view; "
         "give a few pixels (2-4 for 28-32 px images) or 0 to turn it off",
     )
+    from vitrain.models.layers import CUDA_ONLY_IMPLS
+
+    _require(
+        config.model.attn_impl not in CUDA_ONLY_IMPLS or device.startswith("cuda"),
+        f"model.attn_impl={config.model.attn_impl} pins an SDPA kernel that exists on CUDA only and this run is "
+        f"on {device}; use sdpa, sdpa_flash, sdpa_math, matmul or auto",
+    )
     _require(
         config.data.root is None or config.data.name != "synthetic",
         "data.root is not used by data.name=synthetic; remove it",
@@ -417,6 +424,12 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str
         f"optim.eps={config.optim.eps:g} with fp16 weights (precision_mode=full): Adam's second moment "
         f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "
         f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
+    )
+    _require(
+        config.train.compile_mode == "default" or config.train.compile_backend == "inductor",
+        f"train.compile_mode={config.train.compile_mode} is a mode of inductor, not of "
+        f"train.compile_backend={config.train.compile_backend}; set train.compile_backend=inductor or "
+        "train.compile_mode=default",
     )
     _check_init_source(config.train)
     _check_webdataset(config)
@@ -532,6 +545,7 @@ def _parallel_plan(config: Config, world: World, device: str) -> parts.ParallelP
         activation_checkpointing=train.activation_checkpointing,
         compile=train.compile,
         compile_backend=train.compile_backend,
+        compile_mode=train.compile_mode,
         fsdp_reshard=parallel.fsdp_reshard,
         fsdp_cpu_offload=parallel.fsdp_cpu_offload,
     )

@@ -34,10 +34,14 @@ class ModelConfig(Section):
     """FFN hidden size over embedding width; the variant's (4 for ViTs) when unset."""
     num_heads: int | None = Field(None, ge=1)
     """Attention heads (must divide the embedding width); the variant's when unset."""
-    attn_impl: Literal["auto", "sdpa", "matmul"] | None = None
-    """Attention kernel: torch SDPA (flash/efficient/math chosen by torch), explicit matmuls, or auto
-    (both timed on this device at the run's shape when the model is built, the faster kept, the result
-    cached in ~/.cache/vitrain); the variant's (sdpa) when unset."""
+    attn_impl: Literal["auto", "sdpa", "matmul", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math"] | None = (
+        None
+    )
+    """Attention kernel: torch SDPA (flash/efficient/cuDNN/math chosen by torch), explicit matmuls, SDPA
+    pinned to one kernel (sdpa_flash, sdpa_math; on CUDA also sdpa_efficient, sdpa_cudnn), or auto (the
+    candidates timed on this device at the run's shape when the model is built, the fastest kept, the
+    result cached in ~/.cache/vitrain; on CUDA the pinned SDPA kernels are candidates too); the variant's
+    (sdpa) when unset."""
     attn_softmax_fp32: bool | None = None
     """Matmul attention: scores q.k^T and softmax in fp32 under fp16/bf16 (DeiT's fix for fp16 NaN
     losses; SDPA's kernels do this already); the variant's (off) when unset."""
@@ -333,6 +337,9 @@ class TrainConfig(Section):
     eval batch is padded) is compiled before the training clock starts, so budgets do not pay for it."""
     compile_backend: str = "inductor"
     """torch.compile backend (inductor; cudagraphs, aot_eager, ... for debugging)."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    """Inductor's mode: default, or max-autotune-no-cudagraphs (matrix products and convolutions tried in
+    several generated kernels and the fastest kept; on GPUs, compiling takes minutes longer)."""
     seed: int = 0
     """Seed of model init, data order and augmentation."""
     device: str = "auto"

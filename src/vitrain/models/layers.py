@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Grid = tuple[int, int]
 
@@ -196,19 +197,43 @@ class MatmulAttention(torch.autograd.Function):
         return grads.reshape(batch, tokens, 3 * batch_heads // batch * head_dim), None, None
 
 
-class SdpaAttention(nn.Module):
-    """Attention core by ``F.scaled_dot_product_attention`` (flash, memory-efficient or math, as torch
-    chooses): fused qkv ``(B, N, 3 * heads * head_dim)`` to ``(B, N, heads * head_dim)``."""
+AttentionImpl = Literal["sdpa", "matmul", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math"]
+"""Attention cores: ``sdpa`` (SDPA with torch's choice of kernel), ``matmul`` (explicit products), or SDPA
+pinned to one of its kernels (``sdpa_<backend>``)."""
 
-    def __init__(self, head_dim: int, dropout: float = 0.0):
+SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_math": "MATH",
+}
+"""The SDPA kernels an attention core can be pinned to, by ``SDPBackend`` member."""
+
+CUDA_ONLY_IMPLS = ("sdpa_efficient", "sdpa_cudnn")
+"""Pinned SDPA kernels that exist on CUDA only (the CPU has flash and math)."""
+
+
+class SdpaAttention(nn.Module):
+    """Attention core by ``F.scaled_dot_product_attention``: fused qkv ``(B, N, 3 * heads * head_dim)`` to
+    ``(B, N, heads * head_dim)``. The kernel (flash, memory-efficient, cuDNN or math) is torch's choice, or
+    the one ``backend`` pins (a key of :data:`SDPA_BACKENDS`; the step fails where it cannot run)."""
+
+    def __init__(self, head_dim: int, dropout: float = 0.0, backend: str | None = None):
         super().__init__()
-        self.head_dim, self.dropout = head_dim, dropout
+        if backend is not None and backend not in SDPA_BACKENDS:
+            raise ValueError(f"SDPA backend must be one of {sorted(SDPA_BACKENDS)}, not {backend!r}")
+        self.head_dim, self.dropout, self.backend = head_dim, dropout, backend
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = qkv.shape
         # heads inferred (-1): under tensor parallelism each process holds only its share of them
         q, k, v = qkv.reshape(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if self.backend is None:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        else:
+            with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[self.backend])):
+                x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         return x.transpose(1, 2).reshape(batch, tokens, -1)
 
 
@@ -241,15 +266,15 @@ class MatmulAttentionCore(nn.Module):
         return x.transpose(1, 2).reshape(batch, tokens, -1)
 
 
-def attention_core(
-    impl: Literal["sdpa", "matmul"], head_dim: int, dropout: float = 0.0, softmax_fp32: bool = False
-) -> nn.Module:
+def attention_core(impl: AttentionImpl, head_dim: int, dropout: float = 0.0, softmax_fp32: bool = False) -> nn.Module:
     """The attention core for ``impl``: what ``model.attn_impl`` (and the attention probe) choose."""
     if impl == "sdpa":
         return SdpaAttention(head_dim, dropout)
+    if impl in SDPA_BACKENDS:
+        return SdpaAttention(head_dim, dropout, backend=impl)
     if impl == "matmul":
         return MatmulAttentionCore(head_dim, dropout, softmax_fp32)
-    raise ValueError(f"attention impl must be sdpa or matmul, not {impl!r}")
+    raise ValueError(f"attention impl must be one of {sorted(['sdpa', 'matmul', *SDPA_BACKENDS])}, not {impl!r}")
 
 
 class Attention(nn.Module):
@@ -262,7 +287,7 @@ class Attention(nn.Module):
         num_heads: int,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
-        impl: Literal["sdpa", "matmul"] = "sdpa",
+        impl: AttentionImpl = "sdpa",
         softmax_fp32: bool = False,
         qkv_bias: bool = True,
         device=None,
@@ -280,11 +305,13 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     @property
-    def impl(self) -> str:
-        return "sdpa" if isinstance(self.core, SdpaAttention) else "matmul"
+    def impl(self) -> AttentionImpl:
+        if isinstance(self.core, SdpaAttention):
+            return self.core.backend or "sdpa"
+        return "matmul"
 
     @impl.setter
-    def impl(self, impl: Literal["sdpa", "matmul"]) -> None:
+    def impl(self, impl: AttentionImpl) -> None:
         self.core = attention_core(impl, self.head_dim, self.attn_drop, self.softmax_fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -381,7 +408,7 @@ class Block(nn.Module):
         drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
-        attn_impl: Literal["sdpa", "matmul"] = "sdpa",
+        attn_impl: AttentionImpl = "sdpa",
         attn_softmax_fp32: bool = False,
         layer_scale: float | None = None,
         norm_eps: float = 1e-6,

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from vitrain.models.layers import (
+    AttentionImpl,
     Block,
     Blocks,
     ConvStem,
@@ -71,7 +72,7 @@ class ViTArgs:
     ffn: Literal["mlp", "locality", "localvit"] = "mlp"
     stem: Literal["patch", "conv"] = "patch"
     """patch: one strided convolution (ViT); conv: Xiao et al.'s stack of 3x3 stride-2 convolutions."""
-    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    attn_impl: AttentionImpl = "sdpa"
     attn_softmax_fp32: bool = False
     """Matmul attention: scores and softmax in fp32 under fp16/bf16 (DeiT's NaN fix)."""
     drop_rate: float = 0.0

@@ -31,6 +31,7 @@ from torch import nn
 
 from vitrain.models.layers import (
     Attention,
+    AttentionImpl,
     DropPath,
     Grid,
     Mlp,
@@ -64,7 +65,7 @@ class VOLOArgs:
     use_aux_head: bool = True
     """Token-labeling head: logits for every patch token."""
     qkv_bias: bool = False
-    attn_impl: Literal["sdpa", "matmul"] = "sdpa"
+    attn_impl: AttentionImpl = "sdpa"
     """The transformer stages' attention: SDPA or explicit matmuls (``model.attn_impl``, or ``auto`` by measurement)."""
     attn_softmax_fp32: bool = False
     """Explicit-matmul attention scores and softmax in fp32 (DeiT's fp16 NaN fix)."""

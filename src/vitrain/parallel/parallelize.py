@@ -125,18 +125,23 @@ def apply_compile(model: nn.Module, parallel: ParallelPlan) -> None:
     """``torch.compile`` the module in place: per block (:func:`apply_block_compile`), or, for
     ``compile_scope=model`` (the benchmark's ``--compile``), the whole module at once."""
     if parallel.compile_scope == "blocks":
-        apply_block_compile(model, parallel.compile_backend)
+        apply_block_compile(model, parallel.compile_backend, parallel.compile_mode)
     else:
-        model.compile(backend=parallel.compile_backend)
+        model.compile(backend=parallel.compile_backend, mode=compile_mode_argument(parallel.compile_mode))
 
 
-def apply_block_compile(model: nn.Module, backend: str) -> None:
+def compile_mode_argument(mode: str) -> str | None:
+    """torch.compile's ``mode`` argument for ``train.compile_mode`` (None: torch's default)."""
+    return None if mode == "default" else mode
+
+
+def apply_block_compile(model: nn.Module, backend: str, mode: str = "default") -> None:
     """``torch.compile`` every block in place (torchtitan's per-block compile: blocks of one class share a
     graph, so compiling costs one block per input shape, not the whole model). Shapes are static: each
     new one compiles once (the loop warms them all before its clock), so the recompile limit must cover
     them; the loop raises it to the number of shapes of the run."""
     for block in model.block_modules():
-        block.compile(backend=backend, dynamic=False)
+        block.compile(backend=backend, dynamic=False, mode=compile_mode_argument(mode))
 
 
 def parallelize(model: nn.Module, parallel: ParallelPlan, precision: PrecisionPolicy) -> nn.Module:

@@ -1,13 +1,16 @@
-"""``model.attn_impl=auto``: choose SDPA or the explicit matmul path by measurement, per shape.
+"""``model.attn_impl=auto``: choose the attention path by measurement, per shape.
 
 Which attention kernel is fastest depends on the device, the dtype, the sequence length and the
 batch (on a 2-core AMX CPU, SDPA's flash kernel spent half the step in its backward at 65 tokens
-while explicit matmuls ran 1.7x faster; on GPUs flash attention wins from a few hundred tokens).
-So the choice is not a table of habits: at model build, a meta-device forward finds each attention
-layer's (tokens, width, heads); both paths are timed on one layer of that shape (forward + backward,
-the run's precision policy and batch); the faster is set on every layer of the shape. Results are
-cached in ``$VITRAIN_CACHE_DIR`` (default ``~/.cache/vitrain``) under the device, torch version,
-thread count and shape, so the probe runs once per machine and shape.
+while explicit matmuls ran 1.7x faster; on GPUs flash attention wins from a few hundred tokens, and
+cuDNN's fused attention can beat it on Hopper). So the choice is not a table of habits: at model
+build, a meta-device forward finds each attention layer's (tokens, width, heads); the candidates
+(SDPA with torch's choice and the explicit matmul path; on CUDA also SDPA pinned to its flash,
+memory-efficient and cuDNN kernels) are timed on one layer of that shape (forward + backward, the
+run's precision policy and batch); the fastest is set on every layer of the shape, and a candidate
+that cannot run there is left out. Results are cached in ``$VITRAIN_CACHE_DIR`` (default
+``~/.cache/vitrain``) under the device, torch version, thread count and shape, so the probe runs
+once per machine and shape.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +35,7 @@ from vitrain.precision import PrecisionPolicy
 log = logging.getLogger("vitrain")
 
 IMPLEMENTATIONS = ("sdpa", "matmul")
+CUDA_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 Shape = tuple[int, int, int]  # tokens, width, heads
 
 
@@ -113,8 +118,39 @@ def _write_cache(path: Path, cache: dict) -> None:
         log.warning("attention probe: could not cache results in %s (%s)", path, error)
 
 
+def candidates(device: str) -> tuple[str, ...]:
+    """The implementations the probe times on ``device``."""
+    return CUDA_IMPLEMENTATIONS if device.startswith("cuda") else IMPLEMENTATIONS
+
+
+def measure_candidates(shape: Shape, batch: int, policy: PrecisionPolicy) -> dict[str, Any]:
+    """The cache entry of one shape: each candidate's milliseconds per layer step, the fastest as ``impl``;
+    a candidate that cannot run at this shape (a pinned SDPA kernel refusing it) under ``unavailable``."""
+    seconds, unavailable = {}, {}
+    for impl in candidates(policy.device):
+        try:
+            seconds[impl] = time_attention(impl, shape, batch, policy)
+        except RuntimeError as error:
+            if impl in IMPLEMENTATIONS:  # the unpinned paths run everywhere: a failure is real
+                raise
+            unavailable[impl] = str(error).splitlines()[0][:200]
+    return {
+        "impl": min(seconds, key=seconds.get),
+        **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},
+        **({"unavailable": unavailable} if unavailable else {}),
+    }
+
+
+def _is_complete(entry: dict | None, device: str) -> bool:
+    """A cached entry answers for every candidate of this device (entries written before a candidate
+    existed are measured again)."""
+    if entry is None:
+        return False
+    return all(f"{impl}_ms" in entry or impl in entry.get("unavailable", {}) for impl in candidates(device))
+
+
 def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy: PrecisionPolicy) -> dict[Shape, str]:
-    """Set the faster implementation on every attention layer of ``model``; return the choice per shape.
+    """Set the fastest implementation on every attention layer of ``model``; return the choice per shape.
     ``images``: one input of the run's shape (a meta tensor is enough)."""
     shapes = attention_shapes(model, images)
     path = cache_path()
@@ -122,24 +158,22 @@ def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy:
     chosen, measured_any = {}, False
     for shape, modules in shapes.items():
         key = _key(shape, batch, policy)
-        measured = key not in cache
+        measured = not _is_complete(cache.get(key), policy.device)
         if measured:
-            seconds = {impl: time_attention(impl, shape, batch, policy) for impl in IMPLEMENTATIONS}
-            cache[key] = {
-                "impl": min(seconds, key=seconds.get),
-                **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},
-            }
+            cache[key] = measure_candidates(shape, batch, policy)
             measured_any = True
         entry = cache[key]
         chosen[shape] = entry["impl"]
         for module in modules:
             module.impl = entry["impl"]
+        timings = ", ".join(
+            f"{impl} {entry[f'{impl}_ms']:.2f} ms" for impl in candidates(policy.device) if f"{impl}_ms" in entry
+        )
         log.info(
-            "attention: %s for %d tokens x %d wide, %d heads (sdpa %.2f ms, matmul %.2f ms per layer step%s)",
+            "attention: %s for %d tokens x %d wide, %d heads (%s per layer step%s)",
             entry["impl"],
             *shape,
-            entry["sdpa_ms"],
-            entry["matmul_ms"],
+            timings,
             "" if measured else ", cached",
         )
     if measured_any:
