@@ -14,6 +14,11 @@ one runs):
 4. ``vitrain bench --ladder`` for ViT-B/16 (fp32 -> bf16 -> fused optimizer -> attention -> compile -> O2
    -> activation checkpointing), JSON and PNG.
 
+``--speed`` runs the speed sweep instead: ViT-B/16 at 224 px in bf16 O2, compiled, with each attention
+kernel, the attention probe's choice, inductor's max-autotune and batch 512, each row one ``vitrain bench``
+(the first also against timm compiled and timm eager, as its ``train.py`` runs by default). In the CPU dry
+run the CUDA-only kernel is replaced by SDPA's math kernel.
+
 The full run is sized to end within 10 minutes on one H100; nothing in it needs the internet.
 Exit status: 0 when every stage passed, 1 otherwise.
 """
@@ -51,6 +56,8 @@ class Sizes:
     pytest_timeout: int = 220
     bench_timeout: int = 60
     ladder_timeout: int = 150
+    speed_timeout: int = 150
+    autotune_timeout: int = 300
 
 
 TINY = Sizes(
@@ -66,6 +73,8 @@ TINY = Sizes(
     pytest_timeout=120,
     bench_timeout=120,
     ladder_timeout=240,
+    speed_timeout=120,
+    autotune_timeout=120,
 )
 
 # (name, vitrain model, extra bench flags)
@@ -136,6 +145,35 @@ def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     return stages
 
 
+# (name, batch multiple of Sizes.batch, extra bench flags) of the speed sweep; ATTENTION is the device's
+# pinned kernel under test (cuDNN's on CUDA)
+ATTENTION = "{attention}"
+SPEED = [
+    ("speed-sdpa", 1, ["--set", "model.attn_impl=sdpa", "--compare-timm", "--timm-eager"]),
+    ("speed-pinned", 1, ["--set", f"model.attn_impl={ATTENTION}"]),
+    ("speed-auto", 1, ["--set", "model.attn_impl=auto"]),
+    ("speed-autotune", 1, ["--set", "model.attn_impl=auto", "--compile-mode", "max-autotune-no-cudagraphs"]),
+    ("speed-auto-b2x", 2, ["--set", "model.attn_impl=auto"]),
+]
+
+
+def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
+    """The speed sweep: ViT-B/16 in bf16 O2, compiled whole, one setting changed per row."""
+    common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--precision-mode", "o2"]
+    common += ["--set", f"train.device={device}", "--compile", "--compile-backend", sizes.compile_backend]
+    if device == "cpu":
+        common += ["--set", "train.cpu_kernels=native"]
+    common += ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
+    attention = "sdpa_cudnn" if device == "cuda" else "sdpa_math"
+    stages = []
+    for name, multiple, extra in SPEED:
+        flags = [flag.replace(ATTENTION, attention) for flag in extra]
+        argv = vitrain_command("bench", "--model", "vit_base_patch16", "--batch", str(multiple * sizes.batch))
+        timeout = sizes.autotune_timeout if "--compile-mode" in flags else sizes.speed_timeout
+        stages.append(Stage(name, [*argv, *common, *flags, "--json", str(out / f"{name}.json")], timeout))
+    return stages
+
+
 def all_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     pytest = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "gpu"), "-m", "gpu", "-q", "-rs"]
     pytest += ["-p", "no:cacheprovider", f"--junitxml={out / 'pytest-gpu.xml'}"]
@@ -190,6 +228,13 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def mfu_and_memory(record: dict) -> tuple[str, str]:
+    """A bench record's MFU (percent) and peak memory (GiB) as table cells."""
+    mfu = f"{100 * record['mfu']:.1f} %" if record.get("mfu") is not None else "-"
+    memory = f"{record['peak_memory_bytes'] / 2**30:.1f}" if record.get("peak_memory_bytes") else "-"
+    return mfu, memory
+
+
 def bench_rows(out: Path) -> list[str]:
     rows = [
         "| model | batch | vitrain img/s | timm img/s | vitrain / timm | MFU | TFLOP/s | peak GiB |",
@@ -202,8 +247,7 @@ def bench_rows(out: Path) -> list[str]:
             continue
         timm = result.get("timm") or {}
         ratio = result["img_s_median"] / timm["img_s_median"] if timm.get("img_s_median") else None
-        mfu = f"{100 * result['mfu']:.1f} %" if result.get("mfu") is not None else "-"
-        memory = f"{result['peak_memory_bytes'] / 2**30:.1f}" if result.get("peak_memory_bytes") else "-"
+        mfu, memory = mfu_and_memory(result)
         rows.append(
             f"| {model} ({name}) | {result['batch']} | {result['img_s_median']:.1f} | "
             f"{timm.get('img_s_median', float('nan')):.1f} | {f'{ratio:.3f}' if ratio else '-'} | {mfu} | "
@@ -218,8 +262,7 @@ def ladder_rows(out: Path) -> list[str]:
         return ["no ladder result (see ladder-vit_b16.log)"]
     rows = ["| rung | img/s | x fp32 | MFU | peak GiB | chosen |", "|---|---|---|---|---|---|"]
     for row in result["rungs"]:
-        mfu = f"{100 * row['mfu']:.1f} %" if row.get("mfu") is not None else "-"
-        memory = f"{row['peak_memory_bytes'] / 2**30:.1f}" if row.get("peak_memory_bytes") else "-"
+        mfu, memory = mfu_and_memory(row)
         rows.append(
             f"| {row['rung']} | {row['img_s_median']:.1f} | {row['speedup']:.2f} | {mfu} | {memory} | "
             f"{row.get('chosen') or ''} |"
@@ -228,11 +271,30 @@ def ladder_rows(out: Path) -> list[str]:
     return rows
 
 
+def speed_rows(out: Path) -> list[str]:
+    rows = [
+        "| row | batch | attention | compile mode | img/s | MFU | peak GiB | vs timm compiled | vs timm eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, _, _ in SPEED:
+        result = read_json(out / f"{name}.json")
+        if result is None:
+            rows.append(f"| {name} | - | no result (see {name}.log) | | | | | | |")
+            continue
+        mfu, memory = mfu_and_memory(result)
+        ratios = [f"{result[key]:.3f}" if key in result else "-" for key in ("ours_over_timm", "ours_over_timm_eager")]
+        rows.append(
+            f"| {name} | {result['batch']} | {result.get('attn_impl')} | {result.get('compile_mode')} | "
+            f"{result['img_s_median']:.1f} | {mfu} | {memory} | {' | '.join(ratios)} |"
+        )
+    return rows
+
+
 def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> Path:
     doctor = read_json(out / "doctor.json") or {}
     counts = pytest_counts(out / "pytest-gpu.xml")
     lines = [
-        f"# GPU acceptance run: {out.name}",
+        f"# GPU {'speed sweep' if any(s.name.startswith('speed-') for s in stages) else 'acceptance run'}: {out.name}",
         "",
         f"Command: `{command}`; date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"device {device_label(device)}; git revision {git_revision()}.",
@@ -241,17 +303,22 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
         "|---|---|---|",
         *(f"| {stage.name} | {stage.status} | {stage.seconds:.1f} |" for stage in stages),
         "",
-        f"gpu tests: {counts}" if counts else "gpu tests: no JUnit report",
-        "",
-        "## Throughput (bf16 autocast, synthetic data, median of the timed windows)",
-        "",
-        *bench_rows(out),
-        "",
-        "## Speed ladder, ViT-B/16",
-        "",
-        *ladder_rows(out),
-        "",
     ]
+    if any(stage.name.startswith("speed-") for stage in stages):
+        lines += ["## Speed sweep, ViT-B/16, bf16 O2, compiled (synthetic data)", "", *speed_rows(out), ""]
+    else:
+        lines += [
+            f"gpu tests: {counts}" if counts else "gpu tests: no JUnit report",
+            "",
+            "## Throughput (bf16 autocast, synthetic data, median of the timed windows)",
+            "",
+            *bench_rows(out),
+            "",
+            "## Speed ladder, ViT-B/16",
+            "",
+            *ladder_rows(out),
+            "",
+        ]
     if doctor:
         lines += ["## doctor", "", "```", json.dumps(doctor, indent=1)[:6000], "```", ""]
     path = out / "summary.md"
@@ -275,6 +342,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes and windows (the CPU dry run)")
+    parser.add_argument(
+        "--speed", action="store_true", help="the ViT-B/16 speed sweep instead of the acceptance stages"
+    )
     parser.add_argument("--out", type=Path, help="record folder (default records/gpu-check-<date>-<device>)")
     parser.add_argument("--only", nargs="*", help="run only these stages (names as in the summary)")
     parser.add_argument(
@@ -290,11 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = TINY if args.tiny else Sizes()
     label = f"{datetime.date.today():%Y-%m-%d}-{device_label(args.device)}"
-    out = (args.out or ROOT / "records" / f"gpu-check-{label}").resolve()
+    out = (args.out or ROOT / "records" / f"gpu-{'speed' if args.speed else 'check'}-{label}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")]))
-    stages = all_stages(out, sizes, args.device)
+    stages = (speed_stages if args.speed else all_stages)(out, sizes, args.device)
     if args.only:
         stages = [stage for stage in stages if stage.name in args.only]
     deadline = time.perf_counter() + args.deadline_s

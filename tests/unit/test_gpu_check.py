@@ -25,6 +25,7 @@ STAGES = [
     "bench-resnet50_cl",
     "ladder-vit_b16",
 ]
+SPEED = ["speed-sdpa", "speed-pinned", "speed-auto", "speed-autotune", "speed-auto-b2x"]
 
 
 def _env() -> dict[str, str]:
@@ -90,3 +91,31 @@ def test_a_run_past_its_deadline_says_what_it_did_not_run(tmp_path):
     )
     assert result.returncode == 1
     assert _stage_rows((tmp_path / "summary.md").read_text()) == dict.fromkeys(STAGES, "not run (deadline)")
+
+
+def test_the_speed_sweep_dry_run_measures_each_setting_of_vit_b16(tmp_path):
+    """``--speed``: one bench per setting, the first against timm compiled and eager; the CPU dry run pins
+    SDPA's math kernel where a GPU run pins cuDNN's."""
+    env = {**_env(), "VITRAIN_CACHE_DIR": str(tmp_path / "cache")}  # the probe of the auto rows measures afresh
+    out = tmp_path / "speed"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--speed", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {name: json.loads((out / f"{name}.json").read_text()) for name in SPEED}
+    assert {name: row["model"] for name, row in rows.items()} == dict.fromkeys(SPEED, "vit_base_patch16")
+    assert all(row["compile"] and row["precision_mode"] == "o2" for row in rows.values())
+    assert rows["speed-sdpa"]["attn_impl"] == "sdpa" and rows["speed-pinned"]["attn_impl"] == "sdpa_math"
+    assert rows["speed-auto"]["attn_impl"] in ("sdpa", "matmul")  # the probe's CPU candidates
+    assert rows["speed-autotune"]["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert rows["speed-auto"]["compile_mode"] == "default" and rows["speed-auto-b2x"]["batch"] == 4
+    first = rows["speed-sdpa"]
+    assert (first["timm"]["compile"], first["timm_eager"]["compile"]) == (True, False)
+    assert "timm" not in rows["speed-pinned"]
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# GPU speed sweep") and "| speed-pinned | 2 | sdpa_math | default |" in summary
+    assert f"| {first['ours_over_timm']:.3f} | {first['ours_over_timm_eager']:.3f} |" in summary
