@@ -25,7 +25,7 @@ STAGES = [
     "bench-resnet50_cl",
     "ladder-vit_b16",
 ]
-SPEED = ["speed-sdpa", "speed-pinned", "speed-auto", "speed-autotune", "speed-auto-b2x"]
+SPEED = ["speed-sdpa", "speed-pinned", "speed-auto", "speed-auto-b2x", "speed-autotune"]
 
 
 def _env() -> dict[str, str]:
