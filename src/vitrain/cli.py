@@ -277,7 +277,8 @@ def _add_bench_parser(commands) -> None:
         "--compile-mode",
         choices=["default", "max-autotune-no-cudagraphs"],
         default="default",
-        help="torch.compile mode of --compile, ours and timm's (train.compile_mode)",
+        help="torch.compile mode of --compile, ours and timm's (the bench compiles by its flags: train.compile "
+        "and train.compile_mode of a recipe or --set do not apply)",
     )
     bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

@@ -70,10 +70,15 @@ OutputStyle = Literal["table", "json", "csv"]
 def checkpoint_config(saved: dict[str, Any], yaml_files: Sequence[Path] = (), overrides: Sequence[str] = ()) -> Config:
     """A checkpoint's saved config, YAML files and ``--set`` overrides applied, for using its model in one
     process: whatever sharded the training run, and without the distillation teacher, the token-label maps
-    and the initial checkpoint it trained from (they may be gone)."""
+    and the initial checkpoint it trained from (they may be gone); an SDPA kernel the training run pinned
+    (``model.attn_impl=sdpa_cudnn``, ...) becomes torch's choice (``sdpa``) unless ``overrides`` pin one."""
     from vitrain.config.resolve import TOKEN_LABEL_KEYS
+    from vitrain.models.layers import SDPA_BACKENDS
 
-    config = build_config(Config.model_validate(saved), list(yaml_files), list(overrides))
+    base = Config.model_validate(saved)
+    if base.model.attn_impl in SDPA_BACKENDS:  # pinned for the training device; this one may lack the kernel
+        base.model.attn_impl = "sdpa"
+    config = build_config(base, list(yaml_files), list(overrides))
     config.parallel.strategy = "ddp"
     defaults = Config()
     for key in ("distill", "teacher", "teacher_weights", "teacher_model", "init_from", *TOKEN_LABEL_KEYS):

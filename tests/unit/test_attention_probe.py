@@ -143,3 +143,43 @@ def test_cuda_only_kernels_are_refused_on_the_cpu_naming_the_choices(impl, small
 
     with pytest.raises(ConfigError, match=f"model.attn_impl={impl} .* CUDA only .* use sdpa, sdpa_flash"):
         make_plan(make_config(*small_synthetic_overrides, f"model.attn_impl={impl}", "train.device=cpu"))
+
+
+@pytest.mark.parametrize("impl", ["sdpa_flash", "sdpa_cudnn"])
+def test_half_only_kernels_are_refused_in_fp32_on_cuda(impl, small_synthetic_overrides, monkeypatch):
+    from vitrain.config import ConfigError, Hardware
+
+    monkeypatch.setattr(
+        Hardware, "detect", classmethod(lambda cls, device: cls(cuda_available=True, bf16_supported=True))
+    )
+    overrides = [*small_synthetic_overrides, f"model.attn_impl={impl}", "train.device=cuda"]
+    with pytest.raises(ConfigError, match=f"model.attn_impl={impl} .* bf16/fp16 on CUDA .* set precision=bf16"):
+        make_plan(make_config(*overrides, "precision=fp32"))
+    assert make_plan(make_config(*overrides, "precision=bf16")).model.arguments["attn_impl"] == impl
+
+
+def test_eval_and_predict_take_torchs_choice_for_a_kernel_the_training_run_pinned():
+    from vitrain.config import Config
+    from vitrain.predict import checkpoint_config
+
+    saved = make_config("model.attn_impl=sdpa_cudnn", "train.device=cuda").model_dump()
+    assert checkpoint_config(saved).model.attn_impl == "sdpa"
+    assert checkpoint_config(saved, overrides=["model.attn_impl=sdpa_math"]).model.attn_impl == "sdpa_math"
+    matmul = make_config("model.attn_impl=matmul").model_dump()
+    assert checkpoint_config(matmul).model.attn_impl == "matmul" and Config().model.attn_impl is None
+
+
+def test_a_pinned_kernel_failing_otherwise_than_by_refusing_the_shape_fails_the_probe(cache_dir, monkeypatch):
+    """Out of memory (or a CUDA fault) is no property of the kernel to cache: it is raised."""
+    policy = precision_policy("bf16", "o2", "cuda")
+    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+
+    def timing(impl, *args):
+        if impl == "sdpa_cudnn":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1e-3
+
+    monkeypatch.setattr(attention_probe, "time_attention", timing)
+    with pytest.raises(torch.OutOfMemoryError):
+        attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
+    assert not (cache_dir / "attention.json").exists()

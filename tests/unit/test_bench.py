@@ -333,6 +333,30 @@ def test_the_attention_rung_measures_every_candidate_of_the_device():
     assert "+ attention choice" not in {rung.name for rung in ladder_rungs("bf16", (), with_compile=True)}
 
 
+def test_an_attention_alternative_that_cannot_run_leaves_the_others(monkeypatch):
+    """One pinned kernel this GPU lacks is recorded as failed; the rung keeps the fastest of the rest."""
+    import vitrain.bench.ladder as ladder
+
+    def fake_measure(plan, settings):  # noqa: ANN001, ANN202
+        impl = plan.config.model.attn_impl
+        if impl == "sdpa_math":
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return {"img_s_median": {"sdpa_flash": 300.0, "sdpa": 200.0}.get(impl, 100.0), "peak_memory_bytes": None}
+
+    monkeypatch.setattr(ladder, "measure_training_step", fake_measure)
+    plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
+    rungs = ladder.ladder_rungs("bf16", ("sdpa", "matmul", "sdpa_flash", "sdpa_math"), with_compile=False)
+    result = ladder.run_ladder(plan_for, settings, rungs)
+    (attention,) = [row for row in result["rungs"] if row["rung"] == "+ attention choice"]
+    assert attention["chosen"] == "model.attn_impl=sdpa_flash" and set(attention["alternatives"]) == {
+        "model.attn_impl=sdpa", "model.attn_impl=matmul", "model.attn_impl=sdpa_flash"
+    }  # fmt: skip
+    assert attention["failed"] == {
+        "model.attn_impl=sdpa_math": "RuntimeError: No available kernel. Aborting execution."
+    }
+    assert result["skipped"] == [] and "model.attn_impl=sdpa_flash" in result["rungs"][-1]["settings"]
+
+
 @pytest.mark.parametrize("compile_pays", [True, False])
 def test_ladder_carries_compile_forward_only_if_it_measured_faster(monkeypatch, compile_pays):
     """Measurements injected (a real compile's speed depends on the host): compile 1.5x the rung before

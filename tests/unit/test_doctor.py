@@ -278,3 +278,12 @@ def test_a_lock_file_locks_the_cache_only_as_torch_locks_it(monkeypatch, tmp_pat
     assert cpu.build.cache_state() == ("locked", lock)
     (line,) = cpu.check_kernels(Context(synthetic_config()))
     assert line.status == "WARN" and f"delete {lock}" in line.fix
+
+
+def test_kernels_that_die_on_their_own_errors_are_reported_with_the_compiler_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: ("fresh", tmp_path / "k.so"))
+    monkeypatch.setattr(cpu.build, "load", lambda: None)
+    reason = "RuntimeError: the built kernels cannot raise an error: a process that made them raise one was killed"
+    monkeypatch.setattr(cpu.build, "failure", lambda: reason)
+    (line,) = cpu.check_kernels(Context(synthetic_config()))
+    assert line.status == "WARN" and reason in line.value and "compiler torch was built with" in line.fix

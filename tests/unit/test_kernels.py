@@ -843,3 +843,16 @@ def test_the_error_path_check_runs_once_per_build(tmp_path, monkeypatch):
     os.utime(library, ns=(0, library.stat().st_mtime_ns + 10**9))
     with pytest.raises(RuntimeError, match="raised nothing"):
         kernels.build.check_error_path(library)
+
+
+def test_a_check_that_cannot_run_warns_and_leaves_the_kernels_in_use(tmp_path, monkeypatch, caplog):
+    """A child that fails before making the kernels raise (an import error, say) says nothing of them."""
+    library = tmp_path / "vitrain_cpu_kernels_x.so"
+    library.write_bytes(b"")
+    failing = [sys.executable, "-c", "raise SystemExit('ImportError: no module named vitrain')"]
+    monkeypatch.setattr(kernels.build, "error_check_command", lambda: failing)
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        kernels.build.check_error_path(library)  # no error
+    (message,) = [r.getMessage() for r in caplog.records if "error-path check" in r.getMessage()]
+    assert "could not run (ImportError: no module named vitrain)" in message and "unchecked" in message
+    assert not library.with_name(library.name + ".errors-ok").exists()  # checked again next time

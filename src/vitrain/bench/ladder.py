@@ -60,6 +60,26 @@ def ladder_rungs(precision: str, attention: tuple[str, ...], with_compile: bool)
     return rungs
 
 
+def _measure_alternatives(
+    plan_for: PlanFor, kept: list[str], rung: Rung, settings: BenchSettings
+) -> tuple[list[tuple[tuple[str, ...], dict[str, Any]]], dict[str, str]]:
+    """Each alternative of ``rung`` (or its one setting) measured on top of ``kept``: the records, and
+    the reason of each that could not run (one pinned attention kernel this GPU lacks leaves the others)."""
+    measured, failed = [], {}
+    for extra in rung.alternatives or ((),):
+        log.info("ladder rung '%s' %s", rung.name, " ".join(extra))
+        # each measurement compiles afresh: graphs an earlier rung left for the same block code are not
+        # its own, and its compile time is measured whole
+        torch._dynamo.reset()
+        try:
+            measured.append((extra, measure_training_step(plan_for([*kept, *extra]), settings)))
+        except Exception as error:  # noqa: BLE001  (reported in the record, not fatal)
+            reason = f"{type(error).__name__}: {error}".splitlines()[0]
+            log.warning("ladder rung '%s' %s: %s", rung.name, " ".join(extra) or "skipped", reason)
+            failed[" ".join(extra) or rung.name] = reason
+    return measured, failed
+
+
 def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) -> dict[str, Any]:
     """Measure every rung cumulatively; return the records with throughput and memory relative to the first."""
     kept: list[str] = []
@@ -69,20 +89,11 @@ def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) ->
         kept += rung.overrides
         compile_on = compile_on or rung.compile
         rung_settings = dataclasses.replace(settings, compile=compile_on, warmup=max(settings.warmup, compile_on))
-        candidates = rung.alternatives or ((),)
-        measured = []
-        try:
-            for extra in candidates:
-                log.info("ladder rung '%s' %s", rung.name, " ".join(extra))
-                # each measurement compiles afresh: graphs an earlier rung left for the same block code
-                # are not its own, and its compile time is measured whole
-                torch._dynamo.reset()
-                measured.append((extra, measure_training_step(plan_for([*kept, *extra]), rung_settings)))
-        except Exception as error:  # noqa: BLE001  (a rung this model or device cannot take is reported, not fatal)
-            log.warning("ladder rung '%s' skipped: %s", rung.name, error)
+        measured, failed = _measure_alternatives(plan_for, kept, rung, rung_settings)
+        if not measured:  # a rung this model or device cannot take is reported, not fatal
             kept = kept[: len(kept) - len(rung.overrides)]
             compile_on = compile_on and not rung.compile
-            skipped.append({"rung": rung.name, "reason": f"{type(error).__name__}: {error}".splitlines()[0]})
+            skipped.append({"rung": rung.name, "reason": next(iter(failed.values()))})
             continue
         extra, record = max(measured, key=lambda pair: pair[1]["img_s_median"])
         kept += extra
@@ -98,6 +109,7 @@ def run_ladder(plan_for: PlanFor, settings: BenchSettings, rungs: list[Rung]) ->
                 "settings": settings_measured,
                 "chosen": chosen,
                 "alternatives": {" ".join(e): r["img_s_median"] for e, r in measured} if rung.alternatives else None,
+                **({"failed": failed} if failed else {}),
                 **record,
             }
         )

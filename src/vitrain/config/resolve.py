@@ -407,13 +407,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str
         f"data.translate={config.data.translate} shifts a {config.data.image_size}-pixel image out of view; "
         "give a few pixels (2-4 for 28-32 px images) or 0 to turn it off",
     )
-    from vitrain.models.layers import CUDA_ONLY_IMPLS
-
-    _require(
-        config.model.attn_impl not in CUDA_ONLY_IMPLS or device.startswith("cuda"),
-        f"model.attn_impl={config.model.attn_impl} pins an SDPA kernel that exists on CUDA only and this run is "
-        f"on {device}; use sdpa, sdpa_flash, sdpa_math, matmul or auto",
-    )
+    _check_pinned_attention(config.model.attn_impl, precision, device)
     _require(
         config.data.root is None or config.data.name != "synthetic",
         "data.root is not used by data.name=synthetic; remove it",
@@ -436,6 +430,23 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str
     _check_dali(config)
     _check_device_decode(config, device)
     profile_window(config.train.profile)
+
+
+def _check_pinned_attention(impl: str | None, precision: str, device: str) -> None:
+    """A pinned SDPA kernel the run's device or precision lacks fails at the first step with torch's "No
+    available kernel": refuse it here, naming what does run."""
+    from vitrain.models.layers import CUDA_HALF_ONLY_IMPLS, CUDA_ONLY_IMPLS
+
+    _require(
+        impl not in CUDA_ONLY_IMPLS or device.startswith("cuda"),
+        f"model.attn_impl={impl} pins an SDPA kernel that exists on CUDA only and this run is on {device}; "
+        "use sdpa, sdpa_flash, sdpa_math, matmul or auto",
+    )
+    _require(
+        impl not in CUDA_HALF_ONLY_IMPLS or not device.startswith("cuda") or precision != "fp32",
+        f"model.attn_impl={impl} pins an SDPA kernel that takes only bf16/fp16 on CUDA and this run is in fp32; "
+        "set precision=bf16, or use sdpa, sdpa_efficient, sdpa_math, matmul or auto",
+    )
 
 
 def _check_webdataset(config: Config) -> None:

@@ -16,6 +16,7 @@ The verdict is kept beside the library (``<library>.errors-ok``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -113,6 +114,8 @@ def lock_held(lock: Path) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True  # another process builds now
+    except OSError:
+        return True  # no OS locks here: torch's lock falls back to the file's existence
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
@@ -178,7 +181,8 @@ sys.exit(4)
 
 def error_check_command() -> list[str]:
     """The child process of :func:`check_error_path`: loads the built extension and makes it raise."""
-    return [sys.executable, "-c", _ERROR_CHECK]
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # not the working folder's modules
+    return [sys.executable, *safe_path, "-c", _ERROR_CHECK]
 
 
 def _describe_exit(returncode: int) -> str:
@@ -191,32 +195,79 @@ def _describe_exit(returncode: int) -> str:
 
 
 def check_error_path(library: Path) -> None:
-    """Raise ``RuntimeError`` unless an error raised in ``library``'s C++ code reaches Python in a child
-    process; a passed check is kept in ``<library>.errors-ok`` (the library's mtime), so it runs once per
-    build."""
+    """Raise ``RuntimeError`` when an error raised in ``library``'s C++ code kills a child process instead of
+    reaching Python. A passed check is kept in ``<library>.errors-ok`` (the library's mtime), so it runs once
+    per build, one process at a time (the ranks of a run build and check alike); a check that could not run
+    at all (the child failed before making the kernels raise) is a warning, and the kernels are used."""
     marker = library.with_name(library.name + ".errors-ok")
     stamp = str(library.stat().st_mtime_ns)
-    try:
-        if marker.read_text() == stamp:
+    if _read_marker(marker) == stamp:
+        return
+    with _exclusive(marker.with_name(marker.name + ".lock")):
+        if _read_marker(marker) == stamp:  # another process checked it meanwhile
             return
+        try:
+            result = subprocess.run(
+                error_check_command(), env=_child_env(), capture_output=True, text=True, timeout=300
+            )
+        except subprocess.TimeoutExpired:
+            log.warning("fused CPU kernels: their error-path check did not finish in 300 s; using them unchecked")
+            return
+        if result.returncode < 0 or result.returncode in (3, 4):
+            raise RuntimeError(
+                f"the built kernels cannot raise an error: a process that made them raise one "
+                f"{_describe_exit(result.returncode)} ({library}); build them with the compiler torch was built "
+                f"with (CXX=/usr/bin/g++, then remove {library.parent}) or set train.cpu_kernels=native"
+            )
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            log.warning("fused CPU kernels: their error-path check could not run (%s); using them unchecked", last)
+            return
+        _write_marker(marker, stamp)
+
+
+def _read_marker(marker: Path) -> str | None:
+    try:
+        return marker.read_text()
     except OSError:
-        pass  # not checked yet
-    source_root = str(Path(__file__).resolve().parents[2])  # the child imports this vitrain
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+        return None  # not checked yet
+
+
+def _write_marker(marker: Path, stamp: str) -> None:
+    partial = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
     try:
-        result = subprocess.run(error_check_command(), env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError("the kernels' error-path check did not finish in 300 s") from None
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"the built kernels cannot raise an error: a process that made them raise one {_describe_exit(result.returncode)}"
-            f" ({library}); build them with the compiler torch was built with (CXX=/usr/bin/g++, then remove "
-            f"{library.parent}) or set train.cpu_kernels=native"
-        )
-    try:
-        marker.write_text(stamp)
+        partial.write_text(stamp)
+        partial.replace(marker)
     except OSError as error:  # a read-only cache costs a check per process, not the kernels
         log.debug("could not record the kernels' error-path check in %s: %s", marker, error)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An OS lock on ``path`` for the block (released when the process ends, even killed); none where the
+    folder is read-only or the file system cannot lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no locks on this file system: checks may run side by side
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of the check's child: this vitrain importable (a source tree run by path, not
+    installed), nothing else changed."""
+    import vitrain
+
+    root = str(Path(vitrain.__file__).resolve().parents[1])
+    if root in sys.path:
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def _load_extension() -> ModuleType:
