@@ -294,8 +294,9 @@ def speed_rows(out: Path) -> list[str]:
 def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> Path:
     doctor = read_json(out / "doctor.json") or {}
     counts = pytest_counts(out / "pytest-gpu.xml")
+    speed = any(stage.name.startswith("speed-") for stage in stages)
     lines = [
-        f"# GPU {'speed sweep' if any(s.name.startswith('speed-') for s in stages) else 'acceptance run'}: {out.name}",
+        f"# GPU {'speed sweep' if speed else 'acceptance run'}: {out.name}",
         "",
         f"Command: `{command}`; date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"device {device_label(device)}; git revision {git_revision()}.",
@@ -305,7 +306,7 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
         *(f"| {stage.name} | {stage.status} | {stage.seconds:.1f} |" for stage in stages),
         "",
     ]
-    if any(stage.name.startswith("speed-") for stage in stages):
+    if speed:
         lines += ["## Speed sweep, ViT-B/16, bf16 O2, compiled (synthetic data)", "", *speed_rows(out), ""]
     else:
         lines += [

@@ -133,7 +133,7 @@ def check_kernels(context: Context) -> list[Check]:
     data["loaded"] = module is not None
     if module is None:
         fix = "install a C++ compiler and ninja, or set train.cpu_kernels=native to use PyTorch's ops"
-        if "cannot raise an error" in (build.failure() or ""):
+        if build.ERROR_PATH_FAILURE in (build.failure() or ""):
             fix = "rebuild them with the compiler torch was built with (the reason names it), or set train.cpu_kernels=native"
         return [Check(SECTION, "fused kernels", "WARN", f"load failed: {build.failure()}", fix, data)]
     amx = bool(module.amx_available()) and cpu_features.amx_allowed()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from types import ModuleType
 from typing import Literal
 
 import torch
+from filelock import FileLock, Timeout
 
 from vitrain import cpu_features
 
@@ -107,20 +107,12 @@ def lock_held(lock: Path) -> bool:
     if lock_kind() == "file":
         return True
     try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return False  # gone meanwhile, or not ours to lock: torch's own open would tell
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        with FileLock(lock, timeout=0):  # the lock class torch's own wraps
+            return False
+    except Timeout:
         return True  # another process builds now
-    except OSError:
-        return True  # no OS locks here: torch's lock falls back to the file's existence
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    except (OSError, NotImplementedError):
+        return True  # not ours to lock, or no OS locks here: the file's existence is all there is
 
 
 def cache_state() -> tuple[CacheState, Path | None]:
@@ -168,6 +160,8 @@ def _build() -> ModuleType:
 
 
 ERROR_CHECK_MESSAGE = "vitrain kernels: error-path check"
+ERROR_PATH_FAILURE = "the built kernels cannot raise an error"
+"""How :func:`failure` begins its reason when a build failed the error-path check (the doctor reads it)."""
 _ERROR_CHECK = f"""
 import sys
 from vitrain.kernels import build
@@ -215,7 +209,7 @@ def check_error_path(library: Path) -> None:
             return
         if result.returncode < 0 or result.returncode in (3, 4):
             raise RuntimeError(
-                f"the built kernels cannot raise an error: a process that made them raise one "
+                f"{ERROR_PATH_FAILURE}: a process that made them raise one "
                 f"{_describe_exit(result.returncode)} ({library}); build them with the compiler torch was built "
                 f"with (CXX=/usr/bin/g++, then remove {library.parent}) or set train.cpu_kernels=native"
             )
@@ -234,10 +228,10 @@ def _read_marker(marker: Path) -> str | None:
 
 
 def _write_marker(marker: Path, stamp: str) -> None:
-    partial = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    from vitrain.checkpoint.manager import write_file_atomic
+
     try:
-        partial.write_text(stamp)
-        partial.replace(marker)
+        write_file_atomic(marker, stamp.encode())
     except OSError as error:  # a read-only cache costs a check per process, not the kernels
         log.debug("could not record the kernels' error-path check in %s: %s", marker, error)
 
@@ -245,18 +239,17 @@ def _write_marker(marker: Path, stamp: str) -> None:
 @contextlib.contextmanager
 def _exclusive(path: Path):
     """An OS lock on ``path`` for the block (released when the process ends, even killed); none where the
-    folder is read-only or the file system cannot lock."""
+    folder is read-only or the file system cannot lock (checks may then run side by side)."""
+    lock = FileLock(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+        lock.acquire()
+    except (OSError, NotImplementedError):
         yield
         return
     try:
-        with contextlib.suppress(OSError):  # no locks on this file system: checks may run side by side
-            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def _child_env() -> dict[str, str]:

@@ -29,13 +29,14 @@ from torch import nn
 
 from vitrain import kernels
 from vitrain.metrics.records import run_environment
-from vitrain.models.layers import Attention
+from vitrain.models.layers import SDPA_BACKENDS, Attention
 from vitrain.precision import PrecisionPolicy
 
 log = logging.getLogger("vitrain")
 
 IMPLEMENTATIONS = ("sdpa", "matmul")
-CUDA_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+CUDA_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *(impl for impl in SDPA_BACKENDS if impl != "sdpa_math"))
+"""On CUDA also SDPA pinned to each fused kernel (its math kernel is never the fastest)."""
 NO_KERNEL = ("No available kernel", "No viable backend")
 """What torch's SDPA says when the kernels it may use cannot take the inputs."""
 Shape = tuple[int, int, int]  # tokens, width, heads
