@@ -38,6 +38,9 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
+
+from vitrain.bench.breakdown import CATEGORIES  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Sizes:
     steps: int = 10
     warmup: int = 3
     repeats: int = 3
+    profile: int = 3
     ladder_steps: int = 5
     compile_backend: str = "inductor"
     pytest_timeout: int = 220
@@ -68,6 +72,7 @@ TINY = Sizes(
     steps=1,
     warmup=1,
     repeats=1,
+    profile=1,
     ladder_steps=1,
     compile_backend="eager",
     pytest_timeout=120,
@@ -115,6 +120,7 @@ def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     if device == "cpu":  # the dry run checks the stages, not the CPU kernels (their build is tested apart)
         common += ["--set", "train.cpu_kernels=native"]
     windows = ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
+    windows += ["--profile", str(sizes.profile)]
     stages = []
     for name, model, extra in MODELS:
         batch = {"resnet50": sizes.resnet_batch, "volo_d1": sizes.volo_batch}.get(model, sizes.batch)
@@ -165,6 +171,7 @@ def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     if device == "cpu":
         common += ["--set", "train.cpu_kernels=native"]
     common += ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
+    common += ["--profile", str(sizes.profile)]
     attention = "sdpa_cudnn" if device == "cuda" else "sdpa_math"
     stages = []
     for name, multiple, extra in SPEED:
@@ -291,6 +298,42 @@ def speed_rows(out: Path) -> list[str]:
     return rows
 
 
+def breakdown_rows(out: Path, names: list[str]) -> list[str]:
+    """Where the step goes (``vitrain bench --profile``) for each record's runs: ms per step and share per
+    category, the device's idle time and the FLOP rate of its matmul, attention and convolution kernels."""
+    runs = []
+    for name in names:
+        result = read_json(out / f"{name}.json") or {}
+        for label, record in (
+            ("vitrain", result),
+            ("timm", result.get("timm")),
+            ("timm eager", result.get("timm_eager")),
+        ):
+            if record and record.get("step_breakdown"):
+                runs.append((f"{name} {label}", record["step_breakdown"]))
+    if not runs:
+        return ["no step breakdown (see the bench logs)"]
+    order = [name for name, _ in CATEGORIES] + ["other"]
+    present = [name for name in order if any(name in parts["categories_ms"] for _, parts in runs)]
+    rows = [
+        f"| run | ms/step profiled | {' | '.join(present)} | idle | matmul/attention/conv TFLOP/s |",
+        "|---|---|" + "---|" * (len(present) + 2),
+    ]
+    for label, parts in runs:
+        step = parts["profiled_step_ms"]
+        cells = [
+            f"{parts['categories_ms'][name]:.2f} ({100 * parts['categories_ms'][name] / step:.0f} %)"
+            if name in parts["categories_ms"]
+            else "-"
+            for name in present
+        ]
+        tflops = f"{parts['tensor_tflops']:.1f}" if parts.get("tensor_tflops") else "-"
+        idle = f"{parts['idle_ms']:.2f} ({100 * parts['idle_ms'] / step:.0f} %)"
+        rows.append(f"| {label} | {step:.2f} | {' | '.join(cells)} | {idle} | {tflops} |")
+    source = runs[0][1]["source"]
+    return rows + ["", f"Times: {source}, {runs[0][1]['profiled_steps']} steps profiled after the timed windows."]
+
+
 def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> Path:
     doctor = read_json(out / "doctor.json") or {}
     counts = pytest_counts(out / "pytest-gpu.xml")
@@ -306,6 +349,7 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
         *(f"| {stage.name} | {stage.status} | {stage.seconds:.1f} |" for stage in stages),
         "",
     ]
+    breakdown_names = [name for name, _, _ in SPEED] if speed else [f"bench-{name}" for name, _, _ in MODELS]
     if speed:
         lines += ["## Speed sweep, ViT-B/16, bf16 O2, compiled (synthetic data)", "", *speed_rows(out), ""]
     else:
@@ -321,6 +365,7 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
             *ladder_rows(out),
             "",
         ]
+    lines += ["## Where the step goes (`vitrain bench --profile`)", "", *breakdown_rows(out, breakdown_names), ""]
     if doctor:
         lines += ["## doctor", "", "```", json.dumps(doctor, indent=1)[:6000], "```", ""]
     path = out / "summary.md"

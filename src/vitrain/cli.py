@@ -251,6 +251,21 @@ def _add_shard_parser(commands) -> None:
     _add_max_image_pixels(shard)
 
 
+def _add_bench_window_arguments(bench) -> None:
+    """How long `vitrain bench` measures, and how many more steps it profiles."""
+    bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed windows; img/s is their median (default 5)")
+    bench.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N more steps after the timed windows: where the step's time goes (matmul, attention, "
+        "normalization, optimizer, ..., GPU idle), per measured run (default 0: none)",
+    )
+
+
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="time training steps on synthetic data: img/s, MFU, peak memory (optionally against timm)"
@@ -280,9 +295,7 @@ def _add_bench_parser(commands) -> None:
         help="torch.compile mode of --compile, ours and timm's (the bench compiles by its flags: train.compile "
         "and train.compile_mode of a recipe or --set do not apply)",
     )
-    bench.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    bench.add_argument("--repeats", type=int, default=5, help="timed windows; img/s is their median (default 5)")
+    _add_bench_window_arguments(bench)
     bench.add_argument("--json", type=Path, help="also write the result as JSON to this file")
     bench.add_argument(
         "--compare-timm", action="store_true", help="also time the timm model of the same architecture, timm's way"
@@ -627,6 +640,7 @@ def command_bench(args: argparse.Namespace) -> int:
         compile=args.compile,
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
+        profile=args.profile,
     )
     if args.timm_eager and not (args.compare_timm and args.compile):
         raise ConfigError("--timm-eager times timm uncompiled beside a compiled run: add --compare-timm and --compile")

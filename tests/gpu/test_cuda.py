@@ -361,3 +361,25 @@ def test_gpu_jpeg_decoding_gives_the_pillow_paths_crops_on_cuda(tmp_path):
         for (images, labels), (expected, expected_labels) in zip(ours, theirs, strict=True):
             assert images.is_cuda and torch.equal(labels.cpu(), expected_labels.cpu())
             assert (images.float().cpu() - expected.float().cpu()).abs().mean() < 3.0
+
+
+def test_bench_profile_sorts_the_gpu_kernels_of_a_step(tmp_path):
+    """``vitrain bench --profile`` on CUDA: the kernels of a compiled bf16 ViT step land in named categories
+    (almost none in ``other``), the matrix products and attention among them; busy and idle make up the
+    profiled step; the kernels that do the FLOPs run below the GPU's peak."""
+    import json
+
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", "vit_small_patch16", "--image-size", "64", "--batch", "32", "--precision", "bf16"]
+    argv += ["--set", "train.device=cuda", "--compile", "--steps", "2", "--repeats", "1", "--warmup", "2"]
+    assert main([*argv, "--profile", "3", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    parts = record["step_breakdown"]
+    assert parts["source"] == "CUDA kernels (CUPTI)" and parts["profiled_steps"] == 3
+    categories = parts["categories_ms"]
+    assert categories["matmul"] > 0 and categories["attention"] > 0 and categories["optimizer"] > 0
+    unnamed = [row["name"] for row in parts["top"] if row["category"] == "other"]
+    assert categories.get("other", 0) < 0.05 * sum(categories.values()), f"kernels in no category: {unnamed}"
+    assert parts["busy_ms"] <= parts["profiled_step_ms"] and parts["busy_ms"] <= sum(categories.values()) * 1.0001
+    assert parts["busy_ms"] + parts["idle_ms"] == pytest.approx(parts["profiled_step_ms"])
+    assert 0 < parts["tensor_tflops"] < record["peak_tflops"]

@@ -68,7 +68,15 @@ def test_the_dry_run_passes_every_stage_and_writes_the_record(dry_run):
     ladder = json.loads((out / "ladder-vit_b16.json").read_text())
     assert [row["rung"] for row in ladder["rungs"]][0] == "fp32 baseline"
     assert len(ladder["rungs"]) + len(ladder["skipped"]) == 7
-    assert "| vit_base_patch16 (vit_b16) | 2 |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| vit_base_patch16 (vit_b16) | 2 |" in summary
+    for name in ("vit_b16", "resnet50_cl"):  # every bench profiled its step, ours and timm's
+        bench = json.loads((out / f"bench-{name}.json").read_text())
+        assert bench["step_breakdown"]["profiled_steps"] == bench["timm"]["step_breakdown"]["profiled_steps"] == 1
+        assert f"| bench-{name} vitrain | " in summary and f"| bench-{name} timm | " in summary
+    assert (
+        json.loads((out / "bench-resnet50_cl.json").read_text())["step_breakdown"]["categories_ms"]["convolution"] > 0
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
@@ -118,4 +126,7 @@ def test_the_speed_sweep_dry_run_measures_each_setting_of_vit_b16(tmp_path):
     assert "timm" not in rows["speed-pinned"]
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# GPU speed sweep") and "| speed-pinned | 2 | sdpa_math | default |" in summary
+    breakdown = summary.split("## Where the step goes")[1]
+    assert "| speed-sdpa timm eager | " in breakdown and "| speed-autotune vitrain | " in breakdown
+    assert rows["speed-sdpa"]["step_breakdown"]["categories_ms"]["matmul"] > 0
     assert f"| {first['ours_over_timm']:.3f} | {first['ours_over_timm_eager']:.3f} |" in summary

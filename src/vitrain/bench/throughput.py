@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitrain.bench.breakdown import format_breakdown, profile_training_steps
 from vitrain.bench.memory import PeakMemory
 from vitrain.config import ConfigError, Plan
 from vitrain.data import Normalize
@@ -61,9 +62,12 @@ class BenchSettings:
     """torch.compile backend (tests use ``eager`` to exercise the path quickly)."""
     compile_mode: str = "default"
     """torch.compile mode (``train.compile_mode``), for our model and timm's."""
+    profile: int = 0
+    """Steps profiled after the timed windows for the step breakdown (0: none)."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("steps", 1), ("repeats", 1), ("warmup", 1 if self.compile else 0)):
+        minimums = (("steps", 1), ("repeats", 1), ("warmup", 1 if self.compile else 0), ("profile", 0))
+        for name, minimum in minimums:
             value = getattr(self, name)
             if value < minimum:
                 why = " with --compile (compilation must stay out of the timed windows)" if name == "warmup" else ""
@@ -261,6 +265,8 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
     times = time_training_steps(step, images, labels, plan.device, settings)
     memory.stop()
     optim = plan.optim
+    flops = model_flops(model, plan.model.image_size)
+    record = throughput_record(plan, times, settings, flops, memory)
     return {
         "implementation": "vitrain",
         "model": plan.model.name,
@@ -271,7 +277,20 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
         "attn_impl": attention_impl(model),
         "grad_clip": plan.step.grad_clip,
         "num_params": num_parameters(model),
-        **throughput_record(plan, times, settings, model_flops(model, plan.model.image_size), memory),
+        **record,
+        **breakdown_record(step, images, labels, plan.device, settings, record),
+    }
+
+
+def breakdown_record(
+    step: StepFn, images: torch.Tensor, labels: torch.Tensor, device: str, settings: BenchSettings, record: dict
+) -> dict[str, Any]:
+    """``{"step_breakdown": ...}`` of ``settings.profile`` more steps (nothing when it is 0)."""
+    if not settings.profile:
+        return {}
+    steps = settings.profile
+    return {
+        "step_breakdown": profile_training_steps(step, images, labels, device, steps, record["train_flops_per_step"])
     }
 
 
@@ -346,4 +365,9 @@ def format_table(result: dict[str, Any]) -> str:
         notes.append(f"vitrain / timm img/s: {result['ours_over_timm']:.3f}")
     if "ours_over_timm_eager" in result:
         notes.append(f"vitrain / timm eager img/s: {result['ours_over_timm_eager']:.3f}")
+    notes += [
+        format_breakdown(name, record["step_breakdown"])
+        for name, record in columns.items()
+        if "step_breakdown" in record
+    ]
     return "\n".join(lines + notes)

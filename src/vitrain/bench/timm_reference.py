@@ -20,6 +20,7 @@ from vitrain.bench.memory import PeakMemory
 from vitrain.bench.throughput import (
     BenchSettings,
     apply_compile,
+    breakdown_record,
     describe_run,
     measure_training_step,
     synthetic_batch,
@@ -166,6 +167,7 @@ def measure_timm_training_step(plan: Plan, settings: BenchSettings, reference: T
     images, labels = synthetic_batch(plan)
     times = time_training_steps(step, images, labels, plan.device, settings)
     memory.stop()
+    record = throughput_record(plan, times, settings, reference.flops_per_image, memory)
     return {
         "implementation": "timm",
         "model": reference.architecture,
@@ -176,7 +178,8 @@ def measure_timm_training_step(plan: Plan, settings: BenchSettings, reference: T
         "optimizer": "adamw torch default (foreach)",
         "grad_clip": None,
         "num_params": num_parameters(model),
-        **throughput_record(plan, times, settings, reference.flops_per_image, memory),
+        **record,
+        **breakdown_record(step, images, labels, plan.device, settings, record),
     }
 
 
