@@ -21,6 +21,10 @@ NAMES = [
     ("aten::mm", "matmul"),
     ("aten::addmm", "matmul"),
     ("vitrain::weight_gradient", "matmul"),
+    ("mkldnn::_linear_pointwise", "matmul"),
+    ("vitrain::linear_gelu", "matmul"),
+    ("vitrain::linear_backward", "elementwise"),  # its products are aten::mm events of their own
+    ("GeneratedBackwardFor_vitrain_linear_gelu_default", "framework"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
     ("vitrain::attention_forward", "attention"),
     ("aten::_fused_adamw_", "optimizer"),
@@ -155,3 +159,19 @@ def test_a_negative_profile_count_is_refused(capsys):
     argv = ["bench", "--model", "vit_tiny_patch16", "--image-size", "32", "--batch", "2", "--precision", "fp32"]
     assert main([*argv, "--profile", "-1"]) == 2
     assert "--profile must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernels", ["fused", "native"])
+def test_the_cpu_training_paths_operators_all_have_a_category(kernels):
+    """bf16 O2 with the fused CPU kernels (or PyTorch's ops): what the step runs is named, not ``other``."""
+    from vitrain.bench import BenchSettings, bench_overrides, measure_training_step
+    from vitrain.config import Config, build_config
+    from vitrain.train import make_plan
+
+    settings = BenchSettings(steps=1, warmup=1, repeats=1, profile=1)
+    flags = bench_overrides("vit_tiny6_patch7", 28, 4, "bf16", "o2", settings)
+    plan = make_plan(build_config(Config(), [], [*flags, f"train.cpu_kernels={kernels}"]))
+    parts = measure_training_step(plan, settings)["step_breakdown"]
+    unnamed = [row["name"] for row in parts["top"] if row["category"] == "other"]
+    assert parts["categories_ms"].get("other", 0) < 0.02 * parts["busy_ms"], unnamed
+    assert parts["categories_ms"]["matmul"] > 0 and parts["categories_ms"]["normalization"] > 0

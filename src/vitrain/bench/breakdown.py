@@ -31,10 +31,11 @@ from torch.profiler import ProfilerActivity, profile
 # (category, pattern searched in the lowercased kernel or operator name); the first that matches wins
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|c10d|all_?reduce|all_?gather|reduce_?scatter"),
-    (  # the autograd engine's nodes and the operators that only make views or allocate
+    (  # autograd's nodes (custom ops' backward wrappers too), and operators that only make views or allocate
         "framework",
-        r"^autograd::|^torch::autograd|backward\d+$|^(aten::)?(view|t|as_strided|empty|empty_strided|empty_like|"
-        r"transpose|reshape|_reshape_alias|expand|permute|unsqueeze|squeeze|select|slice|detach|alias|"
+        r"^autograd::|^torch::autograd|backward\d+$|^generatedbackwardfor_|"
+        r"^(aten::)?(view|t|as_strided|empty|empty_strided|empty_like|transpose|reshape|_reshape_alias|expand|"
+        r"permute|unsqueeze|squeeze|select|slice|detach|alias|"
         r"_unsafe_view|split|unbind|result_type|lift_fresh)$",
     ),
     ("optimizer", r"optimizer\.|adam|multi_tensor_apply|_foreach_|muon|linalg_vector_norm|clip_grad"),
@@ -43,7 +44,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("convolution", r"convolution|conv\d|conv_|_conv(?!ert)|fprop|dgrad|wgrad|winograd"),
     (
         "matmul",
-        r"gemm|xmma|nvjet|wgmma|cutlass|cublas|^triton_tem_|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|weight_gradient",
+        r"gemm|xmma|nvjet|wgmma|cutlass|cublas|^triton_tem_|_linear_pointwise|weight_gradient|"
+        r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|^vitrain::(linear|linear_gelu)$",
     ),
     ("normalization", r"layer_?norm|batch_?norm|group_?norm|rms_?norm"),
     # inductor's fused kernels name every op they hold (``_to_copy`` in most): they count as elementwise
