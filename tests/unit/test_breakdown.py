@@ -22,9 +22,13 @@ NAMES = [
     ("aten::addmm", "matmul"),
     ("vitrain::weight_gradient", "matmul"),
     ("mkldnn::_linear_pointwise", "matmul"),
-    ("vitrain::linear_gelu", "matmul"),
+    ("vitrain::linear_gelu", "elementwise"),  # its product is an operator of its own: the GELU is left
     ("vitrain::linear_backward", "elementwise"),  # its products are aten::mm events of their own
-    ("GeneratedBackwardFor_vitrain_linear_gelu_default", "framework"),
+    ("GeneratedBackwardFor_vitrain_linear_gelu_default", "elementwise"),  # the forward of vitrain::linear_gelu
+    ("GeneratedBackwardFor_vitrain_add_layer_norm_default", "normalization"),
+    ("GeneratedBackwardFor_vitrain_attention_default", "attention"),
+    ("GeneratedBackwardFor_vitrain_linear_default", "framework"),
+    ("GeneratedBackwardFor_vitrain_linear_gelu_defaultBackward", "framework"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
     ("vitrain::attention_forward", "attention"),
     ("aten::_fused_adamw_", "optimizer"),
@@ -80,6 +84,8 @@ NAMES = [
     ),
     ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda({lambda()#3})>(int)", "copy"),
     ("Memcpy HtoD (Pageable -> Device)", "copy"),
+    ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, false>(int)", "copy"),
+    ("void at::native::lpnorm_cleanup<float, (at::native::NormType)1, float, float>(float const*)", "optimizer"),
     ("void cunn_SoftMaxForward<8, c10::BFloat16, float, c10::BFloat16, LogSoftMaxForwardEpilogue>(float*)", "loss"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "communication"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>", "elementwise"),

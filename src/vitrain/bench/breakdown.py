@@ -33,37 +33,41 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|c10d|all_?reduce|all_?gather|reduce_?scatter"),
     (  # autograd's nodes (custom ops' backward wrappers too), and operators that only make views or allocate
         "framework",
-        r"^autograd::|^torch::autograd|backward\d+$|^generatedbackwardfor_|"
+        r"^autograd::|^torch::autograd|backward\d+$|^generatedbackwardfor_.*backward$|^vitrain::linear$|"
         r"^(aten::)?(view|t|as_strided|empty|empty_strided|empty_like|transpose|reshape|_reshape_alias|expand|"
         r"permute|unsqueeze|squeeze|select|slice|detach|alias|"
         r"_unsafe_view|split|unbind|result_type|lift_fresh)$",
     ),
-    ("optimizer", r"optimizer\.|adam|multi_tensor_apply|_foreach_|muon|linalg_vector_norm|clip_grad"),
+    ("optimizer", r"optimizer\.|adam|multi_tensor_apply|_foreach_|muon|linalg_vector_norm|lpnorm|clip_grad"),
     ("loss", r"cross_entropy|log_?softmax|nll_loss"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("convolution", r"convolution|conv\d|conv_|_conv(?!ert)|fprop|dgrad|wgrad|winograd"),
     (
         "matmul",
         r"gemm|xmma|nvjet|wgmma|cutlass|cublas|^triton_tem_|_linear_pointwise|weight_gradient|"
-        r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|^vitrain::(linear|linear_gelu)$",
+        r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$",
     ),
     ("normalization", r"layer_?norm|batch_?norm|group_?norm|rms_?norm"),
     # inductor's fused kernels name every op they hold (``_to_copy`` in most): they count as elementwise
     (
         "copy",
-        r"memcpy|memset|catarray|^(?!triton_).*copy|^aten::(to|clone|contiguous|cat|stack|zero_|fill_|zeros|ones)$",
+        r"memcpy|memset|catarray|nchwtonhwc|nhwctonchw|^(?!triton_).*copy|"
+        r"^aten::(to|clone|contiguous|cat|stack|zero_|fill_|zeros|ones)$",
     ),
     ("elementwise", r"triton_|elementwise|vectorized|reduce|gelu|hardswish|silu|dropout|^aten::|^vitrain::"),
 )
 TENSOR_CATEGORIES = ("matmul", "attention", "convolution")
 """The categories whose kernels do (nearly) all of a model's FLOPs."""
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in CATEGORIES]
+# The forward of a custom op with autograd runs in a function named for its backward; its self time is the
+# op's own work (its products are operators of their own), so it counts as the op
+_CUSTOM_FORWARD = re.compile(r"^generatedbackwardfor_([a-z0-9]+)_(\w+?)_default$")
 TOP_ROWS = 12
 
 
 def category(name: str) -> str:
     """The category of a kernel or operator name (``other`` when none matches)."""
-    lowered = name.lower()
+    lowered = _CUSTOM_FORWARD.sub(r"\1::\2", name.lower())
     return next((label for label, pattern in _COMPILED if pattern.search(lowered)), "other")
 
 
