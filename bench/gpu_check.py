@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
-from vitrain.bench.breakdown import CATEGORIES  # noqa: E402
+from vitrain.bench.breakdown import DISPLAY_ORDER  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,10 +313,10 @@ def breakdown_rows(out: Path, names: list[str]) -> list[str]:
                 runs.append((f"{name} {label}", record["step_breakdown"]))
     if not runs:
         return ["no step breakdown (see the bench logs)"]
-    order = [name for name, _ in CATEGORIES] + ["other"]
-    present = [name for name in order if any(name in parts["categories_ms"] for _, parts in runs)]
+    present = [name for name in DISPLAY_ORDER if any(name in parts["categories_ms"] for _, parts in runs)]
     rows = [
-        f"| run | ms/step profiled | {' | '.join(present)} | idle | matmul/attention/conv TFLOP/s |",
+        f"| run | ms/step profiled | {' | '.join(present)} | idle (GPU) or outside operators (CPU) | "
+        "matmul/attention/conv TFLOP/s |",
         "|---|---|" + "---|" * (len(present) + 2),
     ]
     for label, parts in runs:
@@ -327,7 +327,7 @@ def breakdown_rows(out: Path, names: list[str]) -> list[str]:
             else "-"
             for name in present
         ]
-        tflops = f"{parts['tensor_tflops']:.1f}" if parts.get("tensor_tflops") else "-"
+        tflops = f"{parts['tensor_tflops']:.4g}" if parts.get("tensor_tflops") else "-"
         idle = f"{parts['idle_ms']:.2f} ({100 * parts['idle_ms'] / step:.0f} %)"
         rows.append(f"| {label} | {step:.2f} | {' | '.join(cells)} | {idle} | {tflops} |")
     source = runs[0][1]["source"]

@@ -98,6 +98,10 @@ def test_each_kernel_and_operator_falls_in_its_category(name, expected):
     assert category(name) == expected
 
 
+def test_every_category_has_its_place_in_the_tables():
+    assert sorted(breakdown.DISPLAY_ORDER) == sorted([name for name, _ in breakdown.CATEGORIES] + ["other"])
+
+
 def test_busy_time_is_the_union_of_kernel_intervals():
     assert busy_us([]) == 0
     assert busy_us([(0, 10), (20, 25)]) == 15  # disjoint

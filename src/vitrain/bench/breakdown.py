@@ -56,6 +56,11 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ),
     ("elementwise", r"triton_|elementwise|vectorized|reduce|gelu|hardswish|silu|dropout|^aten::|^vitrain::"),
 )
+DISPLAY_ORDER = (
+    "matmul", "attention", "convolution", "normalization", "elementwise", "copy", "optimizer", "loss", "framework",
+    "communication", "other",
+)  # fmt: skip
+"""Every category (with ``other``), in the order tables show them."""
 TENSOR_CATEGORIES = ("matmul", "attention", "convolution")
 """The categories whose kernels do (nearly) all of a model's FLOPs."""
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in CATEGORIES]
