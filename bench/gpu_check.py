@@ -57,7 +57,7 @@ class Sizes:
     profile: int = 3
     ladder_steps: int = 5
     compile_backend: str = "inductor"
-    pytest_timeout: int = 220
+    pytest_timeout: int = 280
     bench_timeout: int = 60
     ladder_timeout: int = 150
     speed_timeout: int = 150

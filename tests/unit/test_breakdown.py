@@ -124,13 +124,15 @@ def test_breakdown_arithmetic_per_step():
     assert without["tensor_tflops"] is None and without["idle_ms"] == pytest.approx(1000 - 0.01)
 
 
-def _kernel(name: str, start: float, end: float, device=DeviceType.CUDA):
-    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+def _kernel(name: str, start: float, end: float, device=DeviceType.CUDA, annotation: bool = False):
+    span = SimpleNamespace(start=start, end=end)
+    return SimpleNamespace(name=name, device_type=device, time_range=span, is_user_annotation=annotation)
 
 
 def test_cuda_kernels_are_summed_by_name_and_their_union_is_the_busy_time():
     events = [
         _kernel("aten::mm", 0, 400, DeviceType.CPU),  # the launching operator: not device time
+        _kernel("Optimizer.step#AdamW.step", 0, 300, annotation=True),  # a span on the GPU's timeline: no kernel
         _kernel("nvjet_tst_256x128", 0, 100),
         _kernel("nvjet_tst_256x128", 150, 250),
         _kernel("pytorch_flash::flash_fwd_kernel", 200, 300),  # overlaps the second gemm

@@ -92,7 +92,9 @@ def _device_times(prof: profile) -> tuple[dict[str, list[float]], float]:
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     intervals = []
     for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
+        # a record_function span (the optimizer's, compiled regions') is mirrored on the GPU's timeline as a
+        # user annotation around the kernels it launched: not a kernel, as torch's own tables count it
+        if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue
         start, end = event.time_range.start, event.time_range.end
         totals[event.name][0] += end - start
