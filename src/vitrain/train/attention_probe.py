@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vitrain import kernels
+from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.metrics.records import run_environment
 from vitrain.models.layers import SDPA_BACKENDS, Attention
 from vitrain.precision import PrecisionPolicy
@@ -114,9 +115,7 @@ def _read_cache(path: Path) -> dict:
 def _write_cache(path: Path, cache: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        partial.replace(path)
+        write_file_atomic(path, json.dumps(cache, indent=1, sort_keys=True).encode())
     except OSError as error:  # a read-only home costs a probe per run, not the run
         log.warning("attention probe: could not cache results in %s (%s)", path, error)
 
