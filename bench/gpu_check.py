@@ -38,9 +38,6 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
-
-from vitrain.bench.breakdown import DISPLAY_ORDER  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +112,17 @@ def device_label(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
 
 
+def window_flags(sizes: Sizes) -> list[str]:
+    """The bench's measurement windows, and the steps profiled after them."""
+    flags = {"--steps": sizes.steps, "--warmup": sizes.warmup, "--repeats": sizes.repeats, "--profile": sizes.profile}
+    return [part for flag, value in flags.items() for part in (flag, str(value))]
+
+
 def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--set", f"train.device={device}"]
     if device == "cpu":  # the dry run checks the stages, not the CPU kernels (their build is tested apart)
         common += ["--set", "train.cpu_kernels=native"]
-    windows = ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
-    windows += ["--profile", str(sizes.profile)]
+    windows = window_flags(sizes)
     stages = []
     for name, model, extra in MODELS:
         batch = {"resnet50": sizes.resnet_batch, "volo_d1": sizes.volo_batch}.get(model, sizes.batch)
@@ -170,8 +172,7 @@ def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     common += ["--set", f"train.device={device}", "--compile", "--compile-backend", sizes.compile_backend]
     if device == "cpu":
         common += ["--set", "train.cpu_kernels=native"]
-    common += ["--steps", str(sizes.steps), "--warmup", str(sizes.warmup), "--repeats", str(sizes.repeats)]
-    common += ["--profile", str(sizes.profile)]
+    common += window_flags(sizes)
     attention = "sdpa_cudnn" if device == "cuda" else "sdpa_math"
     stages = []
     for name, multiple, extra in SPEED:
@@ -313,6 +314,9 @@ def breakdown_rows(out: Path, names: list[str]) -> list[str]:
                 runs.append((f"{name} {label}", record["step_breakdown"]))
     if not runs:
         return ["no step breakdown (see the bench logs)"]
+    sys.path.insert(0, str(ROOT / "src"))  # the stages run from the checkout; so does this table's import
+    from vitrain.bench.breakdown import DISPLAY_ORDER
+
     present = [name for name in DISPLAY_ORDER if any(name in parts["categories_ms"] for _, parts in runs)]
     rows = [
         f"| run | ms/step profiled | {' | '.join(present)} | idle (GPU) or outside operators (CPU) | "

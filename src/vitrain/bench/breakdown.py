@@ -19,14 +19,12 @@ the breakdown.
 from __future__ import annotations
 
 import re
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 # (category, pattern searched in the lowercased kernel or operator name); the first that matches wins
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -140,29 +138,9 @@ def step_breakdown(
     }
 
 
-def profile_training_steps(
-    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]],
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    device: str,
-    steps: int,
-    train_flops_per_step: int,
-) -> dict[str, Any]:
-    """Run ``steps`` training steps under the profiler (after a device sync, so earlier work stays out)
-    and return their breakdown."""
-    cuda = device.startswith("cuda")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss, _ = step(images, labels)
-        if cuda:
-            torch.cuda.synchronize(device)
-        else:
-            loss.item()
-        profiled_s = time.perf_counter() - started
+def profile_breakdown(prof: profile, steps: int, profiled_s: float, train_flops_per_step: int, cuda: bool) -> dict:
+    """The breakdown of ``steps`` steps that ``prof`` recorded in ``profiled_s`` seconds (GPU kernels on CUDA,
+    CPU operators otherwise)."""
     totals, busy = (_device_times if cuda else _operator_times)(prof)
     return step_breakdown(totals, busy, steps, profiled_s, train_flops_per_step, cuda)
 

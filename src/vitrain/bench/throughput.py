@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
-from vitrain.bench.breakdown import format_breakdown, profile_training_steps
+from vitrain.bench.breakdown import format_breakdown, profile_breakdown
 from vitrain.bench.memory import PeakMemory
 from vitrain.config import ConfigError, Plan
 from vitrain.data import Normalize
@@ -285,13 +286,19 @@ def measure_training_step(plan: Plan, settings: BenchSettings) -> dict[str, Any]
 def breakdown_record(
     step: StepFn, images: torch.Tensor, labels: torch.Tensor, device: str, settings: BenchSettings, record: dict
 ) -> dict[str, Any]:
-    """``{"step_breakdown": ...}`` of ``settings.profile`` more steps (nothing when it is 0)."""
+    """``{"step_breakdown": ...}`` of ``settings.profile`` more steps under ``torch.profiler`` (nothing when it
+    is 0); called after :func:`time_training_steps`, whose last window ended with a device sync."""
     if not settings.profile:
         return {}
-    steps = settings.profile
-    return {
-        "step_breakdown": profile_training_steps(step, images, labels, device, steps, record["train_flops_per_step"])
-    }
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        started = time.perf_counter()
+        for _ in range(settings.profile):
+            loss, _ = step(images, labels)
+        _synchronize(device, loss)
+        profiled_s = time.perf_counter() - started
+    flops = record["train_flops_per_step"]
+    return {"step_breakdown": profile_breakdown(prof, settings.profile, profiled_s, flops, cuda)}
 
 
 # --- Console table (derived from the JSON record) -------------------------------------------------
