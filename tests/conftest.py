@@ -64,6 +64,17 @@ def tiny_imagefolder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def kernels_mode_restored():
+    """Every in-process training run sets the fused CPU kernels' mode for the process
+    (``train.cpu_kernels``); put it back after each test, so no test sees the mode another one left."""
+    from vitrain.kernels import build
+
+    mode = build.current_mode()
+    yield
+    build.set_mode(mode)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for tiny runs: the suite shares two cores with other work, where several

@@ -50,12 +50,6 @@ def built():
     return kernels.load()
 
 
-@pytest.fixture(autouse=True)
-def restore_mode():
-    yield
-    kernels.set_mode("auto")
-
-
 def _layer_norm_grads(function, x, weight, bias, grad_out):
     x, weight, bias = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
     y = function(x, (x.shape[-1],), weight, bias, 1e-6)
