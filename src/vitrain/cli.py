@@ -417,7 +417,10 @@ def command_slurm(args: argparse.Namespace) -> int:
         launcher=args.launcher,
     )
     build_parser().parse_args(["train", *train_args])  # bad train arguments fail here, not on the cluster
-    script = sbatch_script(job, train_args)
+    try:
+        script = sbatch_script(job, train_args)
+    except ValueError as error:  # what this environment's torchrun cannot do
+        raise ConfigError(str(error)) from None
     if args.out is None:
         print(script, end="")
     else:

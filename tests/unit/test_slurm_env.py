@@ -11,7 +11,14 @@ import torch.distributed as dist
 from vitrain.cli import main
 from vitrain.config import World
 from vitrain.parallel import distributed, slurm
-from vitrain.parallel.slurm import expand_hostlist, first_host, slurm_rendezvous
+from vitrain.parallel.slurm import (
+    SlurmJob,
+    expand_hostlist,
+    first_host,
+    sbatch_script,
+    slurm_rendezvous,
+    torchrun_options,
+)
 
 
 def _srun_task(procid: int, localid: int, *, ntasks: int = 8, nodelist: str = "gpu[03-04]", **extra) -> dict:
@@ -141,6 +148,13 @@ def _script(tmp_path, *launcher: str) -> str:
     return path.read_text().replace(" \\\n    ", " ")  # one line per command
 
 
+FORWARDING_TORCHRUN = pytest.mark.skipif(
+    "--signals-to-handle" not in torchrun_options(),
+    reason="this torch's torchrun cannot forward SIGUSR1, so vitrain slurm refuses the torchrun launcher here "
+    "(test_a_torchrun_that_cannot_forward_sigusr1_is_refused_and_srun_named)",
+)
+
+
 TRAIN = "-m vitrain train --resume auto --recipe nemo_vit_b16_224 --set 'data.root=/data/my imagenet'"
 
 
@@ -160,6 +174,7 @@ def test_sbatch_script_with_srun_runs_one_worker_per_gpu(tmp_path):
     assert "torchrun" not in script and "--numa-binding" not in script
 
 
+@FORWARDING_TORCHRUN
 def test_sbatch_script_with_torchrun_is_the_default_and_unchanged(tmp_path):
     default, named = _script(tmp_path), _script(tmp_path, "--launcher", "torchrun")
     assert default == named
@@ -178,3 +193,46 @@ def test_unknown_launcher_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["slurm", "--nodes", "1", "--gpus-per-node", "1", "--launcher", "mpirun"])
     assert "--launcher" in capsys.readouterr().err
+
+
+@FORWARDING_TORCHRUN
+def test_every_torchrun_option_of_the_script_is_one_this_torchrun_accepts(tmp_path):
+    """The script's torchrun line is run on the cluster as written: an option this torch does not know
+    stops the whole job (torch 2.11's torchrun has no --shutdown-timeout)."""
+    script = _script(tmp_path)
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ") and " torchrun " in line]
+    torchrun_words = line.split("torchrun ", 1)[1].split(" -m vitrain train")[0].split()
+    used = {word.split("=")[0] for word in torchrun_words}
+    assert {"--rdzv-backend", "--signals-to-handle", "--nproc-per-node"} <= used
+    assert used <= torchrun_options()
+
+
+OLD_TORCHRUN = {"--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-backend", "--rdzv-endpoint"}
+
+
+@FORWARDING_TORCHRUN
+def test_an_older_torchrun_gets_the_options_it_has_and_the_script_says_what_is_missing(tmp_path):
+    job = SlurmJob(nodes=2, gpus_per_node=4)
+    script = sbatch_script(job, ["--recipe", "fmnist"], options=OLD_TORCHRUN | {"--signals-to-handle"})
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1" in script
+    assert "--shutdown-timeout" not in script.replace("has no --shutdown-timeout", "")
+    assert "--numa-binding=node" not in script
+    assert "# this torch's torchrun has no --shutdown-timeout: it kills the workers 30 s after" in script
+    assert "# this torch's torchrun has no --numa-binding" in script
+    full = sbatch_script(job, ["--recipe", "fmnist"], options=torchrun_options())
+    assert ("has no --shutdown-timeout" in full) == ("--shutdown-timeout" not in torchrun_options())
+
+
+def test_a_torchrun_that_cannot_forward_sigusr1_is_refused_and_srun_named(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(slurm, "torchrun_options", lambda: OLD_TORCHRUN)
+    out = tmp_path / "job.sbatch"
+    argv = ["slurm", "--nodes", "1", "--gpus-per-node", "2", "--out", str(out)]
+    assert main([*argv, "--", "--recipe", "fmnist"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot forward SIGUSR1" in error and "--launcher srun" in error
+    assert not out.exists()
+    assert main([*argv, "--launcher", "srun", "--", "--recipe", "fmnist"]) == 0  # srun needs no torchrun
+    assert "torchrun" not in out.read_text()

@@ -52,14 +52,27 @@ class SlurmJob:
         return self.gpus_per_node if self.launcher == "srun" else 1
 
 
-def sbatch_script(job: SlurmJob, train_args: list[str]) -> str:
-    """The batch script; ``train_args`` are passed to ``vitrain train`` (quoted)."""
+def torchrun_options() -> set[str]:
+    """The options this environment's torchrun accepts (they grew with torch: ``--signals-to-handle`` and
+    ``--numa-binding`` are not in torch 2.8's, ``--shutdown-timeout`` not in 2.11's)."""
+    from torch.distributed.run import get_args_parser
+
+    return set(get_args_parser()._option_string_actions)
+
+
+def sbatch_script(job: SlurmJob, train_args: list[str], options: set[str] | None = None) -> str:
+    """The batch script; ``train_args`` are passed to ``vitrain train`` (quoted). ``options``: what the
+    cluster's torchrun accepts (default: this environment's, :func:`torchrun_options`)."""
     if job.nodes < 1 or job.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
     if job.launcher not in LAUNCHERS:
         raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {job.launcher!r}")
-    command = _torchrun_command(job, train_args) if job.launcher == "torchrun" else _worker_command(train_args)
-    lines = [*_sbatch_header(job), *_environment(job), *_launch_with_requeue(command)]
+    notes: list[str] = []
+    if job.launcher == "torchrun":
+        command, notes = _torchrun_command(job, train_args, torchrun_options() if options is None else options)
+    else:
+        command = _worker_command(train_args)
+    lines = [*_sbatch_header(job), *notes, *_environment(job), *_launch_with_requeue(command)]
     return "\n".join(lines)
 
 
@@ -98,9 +111,30 @@ def _environment(job: SlurmJob) -> list[str]:
     ]
 
 
-def _torchrun_command(job: SlurmJob, train_args: list[str]) -> list[str]:
-    """torchrun's words: the c10d rendezvous, the forwarded signals and ``vitrain train --resume auto``."""
-    return [
+def _torchrun_command(job: SlurmJob, train_args: list[str], options: set[str]) -> tuple[list[str], list[str]]:
+    """torchrun's words (the c10d rendezvous, the forwarded signals, ``vitrain train --resume auto``) and the
+    script's comments on what this torchrun cannot do. A torchrun that cannot forward SIGUSR1 is refused:
+    the signal would kill it, and the job's time limit would end without a checkpoint."""
+    if "--signals-to-handle" not in options:
+        raise ValueError(
+            "this torch's torchrun cannot forward SIGUSR1 to its workers (it has no --signals-to-handle, as in "
+            "torch 2.8), so a job reaching its time limit would stop without a checkpoint: write the script with "
+            "--launcher srun (each worker receives the signal itself), or upgrade torch"
+        )
+    optional, notes = [], []
+    if "--shutdown-timeout" in options:
+        optional.append(f"--shutdown-timeout={job.shutdown_grace_s}")
+    else:
+        notes.append(
+            "# this torch's torchrun has no --shutdown-timeout: it kills the workers 30 s after forwarding a "
+            "signal, which may cut a large checkpoint short (the previous complete one stays); --launcher srun "
+            "waits for them"
+        )
+    if job.numa_binding and "--numa-binding" in options:
+        optional.append("--numa-binding=node")
+    elif job.numa_binding:
+        notes.append("# this torch's torchrun has no --numa-binding: the workers are not bound to NUMA nodes")
+    words = [
         "torchrun",
         "--nnodes=$SLURM_NNODES",
         f"--nproc-per-node={job.gpus_per_node}",
@@ -108,11 +142,11 @@ def _torchrun_command(job: SlurmJob, train_args: list[str]) -> list[str]:
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
-        f"--shutdown-timeout={job.shutdown_grace_s}",
-        *(["--numa-binding=node"] if job.numa_binding else []),
+        *optional,
         "-m vitrain train --resume auto",
         *(shlex.quote(arg) for arg in train_args),
     ]
+    return words, notes
 
 
 def _worker_command(train_args: list[str]) -> list[str]:
