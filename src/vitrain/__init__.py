@@ -1,3 +1,37 @@
 """vitrain: train vision transformers from scratch, fast, and say honestly what the hardware does."""
 
+import importlib.metadata as _metadata
+import re as _re
+
 __version__ = "0.1.0"
+
+MIN_TORCH = (2, 8)
+"""The oldest torch vitrain runs on: its FSDP2, distributed checkpoints and compiled paths need it
+(``pyproject.toml`` requires the same; an older one stops ``import vitrain`` with the fix)."""
+
+
+def torch_version_problem(version: str) -> str | None:
+    """Why torch ``version`` cannot run vitrain, with the fix; None when it can (pre-releases of a
+    supported version, such as NGC's ``2.8.0a0+…``, included)."""
+    match = _re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) >= MIN_TORCH:
+        return None
+    floor = ".".join(map(str, MIN_TORCH))
+    return (
+        f"vitrain needs torch >= {floor}, and this environment has torch {version}: "
+        f"pip install 'torch>={floor}' with the torchvision built for it"
+    )
+
+
+def _check_torch() -> None:
+    """Read the installed torch's version without importing it (``import vitrain`` stays light)."""
+    try:
+        version = _metadata.version("torch")
+    except _metadata.PackageNotFoundError:  # a source build on the path: nothing to read, torch decides
+        return
+    problem = torch_version_problem(version)
+    if problem is not None:
+        raise ImportError(problem)
+
+
+_check_torch()

@@ -47,3 +47,34 @@ def test_missing_kernel_sources_are_named_once_and_the_run_falls_back(monkeypatc
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1, warnings
     assert "kernel sources missing from" in warnings[0] and "tiles.h" in warnings[0] and "reinstall" in warnings[0]
+
+
+def test_the_torch_floor_is_the_one_pyproject_requires():
+    import tomllib
+
+    import vitrain
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_requirement,) = [entry for entry in dependencies if entry.startswith("torch>")]
+    assert torch_requirement == "torch>=" + ".".join(map(str, vitrain.MIN_TORCH))
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [("2.5.1+cu124", False), ("1.13.1", False), ("2.7.1", False), ("2.8.0", True), ("2.8.0a0+5228986c39", True)]
+    + [("2.11.0+cu130", True), ("2.14.1", True), ("3.0.0", True)],
+)
+def test_an_older_torch_stops_the_import_with_the_fix(version, supported):
+    """What ``import vitrain`` does under a torch of ``version`` (the installed one's metadata faked)."""
+    fake = (
+        "import importlib.metadata as m; real = m.version; "
+        f"m.version = lambda name: {version!r} if name == 'torch' else real(name); import vitrain"
+    )
+    result = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=60)
+    if supported:
+        assert result.returncode == 0, result.stderr[-2000:]
+    else:
+        assert result.returncode != 0
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError: vitrain needs torch >= 2.8, and this environment has torch " + version)
+        assert "pip install 'torch>=2.8'" in last
