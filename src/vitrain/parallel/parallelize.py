@@ -28,13 +28,14 @@ starts from exactly the single-process weights.
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -65,11 +66,27 @@ class FusedQKVColwiseParallel(ColwiseParallel):
         for param_name, param in module.named_parameters():
             sharded = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=0)
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = types.MethodType(_local_rows_linear, module)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         # already laid out as this rank's heads of q, k and v: no redistribution, just the local part
         return outputs.to_local()
+
+
+def _local_rows_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The fused projection's product with this rank's rows, read as a plain row shard: the product each
+    rank computes is the same, and DTensor's rules for a strided shard in a linear layer (which differ
+    between torch releases: torch 2.11 cannot redistribute it) are not asked. The parameters stay
+    strided shards (their global order is what checkpoints hold); the input gradient is still summed
+    over the ranks."""
+
+    def as_row_shard(param: DTensor | None) -> DTensor | None:
+        if param is None:
+            return None
+        return DTensor.from_local(param.to_local(), param.device_mesh, [Shard(0)], run_check=False)
+
+    return nn.functional.linear(x, as_row_shard(module.weight), as_row_shard(module.bias))
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
