@@ -68,29 +68,23 @@ def full_tensor(value: Any) -> Any:
     if _nested_strided(value):
         mesh, (_, tp_place) = value.device_mesh, value.placements
         tp_shape = (value.shape[0] // mesh.size(1), *value.shape[1:])  # this TP rank's rows, before FSDP's cut
-        tp_local = DTensor.from_local(
-            value.to_local(),
-            mesh["dp"],
-            [Shard(0)],
-            shape=tp_shape,
-            stride=_contiguous_stride(tp_shape),
-            run_check=False,
-        ).full_tensor()
-        return _gather_strided_rows(tp_local, mesh["tp"], tp_place.split_factor, tuple(value.shape))
+        tp_local = _gather_rows(value.to_local(), mesh["dp"], tp_shape)
+        return _gather_rows(tp_local, mesh["tp"], tuple(value.shape), tp_place.split_factor)
     if value.device_mesh.ndim == 1 and isinstance(value.placements[0], _StridedShard):
-        return _gather_strided_rows(
-            value.to_local(), value.device_mesh, value.placements[0].split_factor, tuple(value.shape)
-        )
+        return _gather_rows(value.to_local(), value.device_mesh, tuple(value.shape), value.placements[0].split_factor)
     return value.full_tensor()
 
 
-def _gather_strided_rows(local: torch.Tensor, mesh, parts: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole of a strided row shard (each process holds its share of each of ``parts`` row blocks:
-    tensor parallelism's fused qkv), gathered as plain row blocks and put back in order; DTensor's own
-    ``full_tensor`` of a strided shard is not the same in every torch release (torch 2.11's cannot)."""
+def _gather_rows(local: torch.Tensor, mesh, shape: tuple[int, ...], parts: int = 1) -> torch.Tensor:
+    """The whole of a row shard over a one-dimensional ``mesh``; with ``parts`` > 1 a strided one (each
+    process holds its share of each of ``parts`` row blocks: tensor parallelism's fused qkv), gathered as
+    plain row blocks and put back in order. DTensor's own ``full_tensor`` of a strided shard is not the
+    same in every torch release (torch 2.11's cannot)."""
     rows = DTensor.from_local(
         local, mesh, [Shard(0)], shape=shape, stride=_contiguous_stride(shape), run_check=False
     ).full_tensor()
+    if parts == 1:
+        return rows
     return rows.reshape(mesh.size(), parts, -1, *shape[1:]).transpose(0, 1).reshape(shape)
 
 
