@@ -56,9 +56,12 @@ _SHARDED = StateDictOptions()
 
 
 def _nested_strided(value: DTensor) -> bool:
-    """FSDP over a tensor-parallel strided shard (fsdp+tp's fused qkv): DTensor's own ``full_tensor``
-    does not invert this layout, so vitrain gathers and cuts it itself."""
-    return len(value.placements) == 2 and all(isinstance(place, _StridedShard) for place in value.placements)
+    """FSDP over a tensor-parallel strided shard (fsdp+tp's fused qkv): FSDP2 cuts each TP rank's rows
+    in row blocks, whatever it names that cut (torch 2.14: ``_StridedShard``, 2.11: ``Shard``). DTensor's
+    own ``full_tensor`` does not invert this layout, so vitrain gathers and cuts it itself."""
+    if len(value.placements) != 2 or not isinstance(value.placements[1], _StridedShard):
+        return False
+    return isinstance(value.placements[0], (Shard, _StridedShard)) and value.placements[0].dim == 0
 
 
 def full_tensor(value: Any) -> Any:
