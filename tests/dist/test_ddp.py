@@ -65,13 +65,21 @@ def _weights(path):
     return load_checkpoint(path)["model"]
 
 
+def _without_key_bias(key, tensor):
+    """The key bias's gradient is zero (softmax over keys ignores q·b, the same for every key), so AdamW
+    steps it by its float noise alone: normalized, that noise differs with the summation order (up to
+    5e-5 on torch 2.11) and says nothing about the run. The q and v biases stay compared."""
+    if not key.endswith("attn.qkv.bias"):
+        return tensor
+    q, _, v = tensor.chunk(3)
+    return torch.cat([q, v])
+
+
 def _assert_close(ours, reference, atol=2e-5):
     assert ours.keys() == reference.keys()
     for key in reference:
-        assert torch.allclose(ours[key], reference[key], rtol=1e-4, atol=atol), (
-            key,
-            (ours[key] - reference[key]).abs().max().item(),
-        )
+        mine, theirs = _without_key_bias(key, ours[key]), _without_key_bias(key, reference[key])
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=atol), (key, (mine - theirs).abs().max().item())
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +129,9 @@ def test_ddp_with_gradient_accumulation_matches_one_process(one_process_run, tmp
     result = torchrun(["train", *_set_args(_overrides(out_dir, "train.micro_batch_size=3"))])
     assert result.returncode == 0, result.stderr[-3000:]
     final = "checkpoints/step-000000018.pt"
-    # micro-batches sum the gradient in another order; AdamW's normalized step turns that float32
-    # noise in small gradients into weight differences up to 2.2e-5 after 18 steps (AVX512 EPYC);
-    # a micro-batch lost or counted twice changes the gradient itself, not its last bits
-    _assert_close(_weights(out_dir / final), _weights(one_process_run / final), atol=5e-5)
+    # micro-batches sum the gradient in another order: the last bits differ; a micro-batch lost or
+    # counted twice changes the gradient itself
+    _assert_close(_weights(out_dir / final), _weights(one_process_run / final))
 
 
 def test_ddp_with_muon_matches_one_process(tmp_path):
