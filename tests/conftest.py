@@ -8,10 +8,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
+from vitrain import torch_release
 from vitrain.config import Config, build_config
+from vitrain.config.resolve import FSDP_TP_MIN_TORCH
+from vitrain.parallel.slurm import torchrun_options
 from vitrain.train.step import TrainStep
+
+FORWARDING_TORCHRUN = pytest.mark.skipif(
+    "--signals-to-handle" not in torchrun_options(),
+    reason="this torch's torchrun cannot forward SIGUSR1, so vitrain slurm refuses the torchrun launcher here "
+    "(test_a_torchrun_that_cannot_forward_sigusr1_is_refused_and_srun_named)",
+)
+
+FSDP_TP_RUNS = pytest.mark.skipif(
+    (torch_release(torch.__version__) or FSDP_TP_MIN_TORCH) < FSDP_TP_MIN_TORCH,
+    reason=f"torch {torch.__version__} cannot step fsdp+tp's optimizer, so vitrain refuses parallel.strategy=fsdp+tp "
+    "here (test_fsdp_tp_is_refused_on_a_torch_that_cannot_step_it)",
+)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

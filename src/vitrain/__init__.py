@@ -10,11 +10,17 @@ MIN_TORCH = (2, 8)
 (``pyproject.toml`` requires the same; an older one stops ``import vitrain`` with the fix)."""
 
 
+def torch_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version string (``2.11.0+cu130``, NGC's ``2.8.0a0+…``); None if unreadable."""
+    match = _re.match(r"(\d+)\.(\d+)", version)
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
 def torch_version_problem(version: str) -> str | None:
     """Why torch ``version`` cannot run vitrain, with the fix; None when it can (pre-releases of a
     supported version, such as NGC's ``2.8.0a0+…``, included)."""
-    match = _re.match(r"(\d+)\.(\d+)", version)
-    if match is None or (int(match[1]), int(match[2])) >= MIN_TORCH:
+    release = torch_release(version)
+    if release is None or release >= MIN_TORCH:
         return None
     floor = ".".join(map(str, MIN_TORCH))
     return (

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import FORWARDING_TORCHRUN
 from vitrain.checkpoint import load_checkpoint
 from vitrain.cli import main
 from vitrain.metrics import read_jsonl
@@ -219,6 +220,7 @@ def test_a_failing_rank_fails_the_whole_job_promptly(tmp_path):
     assert "data.root" in processes[1].stderr.read()
 
 
+@FORWARDING_TORCHRUN
 def test_slurm_script_has_the_launch_pieces_and_is_valid_bash(tmp_path):
     script_path = tmp_path / "job.sbatch"
     args = ["slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "02:00:00", "--partition", "gpu"]

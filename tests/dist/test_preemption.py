@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tests.conftest import FORWARDING_TORCHRUN
 from vitrain.checkpoint import find_latest_checkpoint, load_checkpoint
 from vitrain.metrics import read_jsonl
 from vitrain.parallel.slurm import SlurmJob, sbatch_script
@@ -129,6 +130,7 @@ def _slurm_stand_ins(folder: Path) -> Path:
     return folder
 
 
+@FORWARDING_TORCHRUN
 def test_the_sbatch_script_checkpoints_on_usr1_and_requeues_after(tmp_path):
     run_dir, requeues = tmp_path / "run", tmp_path / "scontrol.log"
     job = SlurmJob(nodes=1, gpus_per_node=1, numa_binding=False, port=_free_port(), logs=str(tmp_path / "logs"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import FSDP_TP_RUNS
 from tests.dist.test_ddp import _assert_close, _env, _overrides, _set_args, _train_in_one_process, torchrun
 from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
 from vitrain.cli import main
@@ -55,7 +56,7 @@ def _run(out_dir, nproc, *extra):
         (2, ["parallel.strategy=fsdp"]),
         (2, ["parallel.strategy=fsdp", "parallel.fsdp_reshard=zero2", "train.micro_batch_size=3"]),
         (2, ["parallel.strategy=tp"]),
-        (4, ["parallel.strategy=fsdp+tp", "parallel.tp_size=2"]),
+        pytest.param(4, ["parallel.strategy=fsdp+tp", "parallel.tp_size=2"], marks=FSDP_TP_RUNS),
     ],
     ids=["fsdp-zero3", "fsdp-zero2-accumulation", "tp", "fsdp+tp"],
 )
@@ -80,6 +81,7 @@ def test_fsdp_with_layer_decay_matches_one_process(reference, tmp_path):
     assert not torch.allclose(decayed, plain, rtol=1e-4, atol=2e-5)  # the embeddings took smaller steps
 
 
+@FSDP_TP_RUNS
 def test_fsdp_checkpoint_resumes_in_one_process_and_fsdp_tp_in_tp(reference, tmp_path):
     """Save at world 2 (FSDP) -> load at world 1; save at world 4 (FSDP x TP) -> load at world 2 (TP)."""
     fsdp = _run(tmp_path / "fsdp", 2, "parallel.strategy=fsdp")

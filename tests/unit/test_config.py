@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import make_config
@@ -364,6 +365,23 @@ def test_unsupported_parallel_combinations_are_refused(overrides, size, needle):
     config = make_config("model.name=vit_tiny6_patch7", *overrides)
     with pytest.raises(ConfigError, match=re.escape(needle)):
         resolve(config, DATA, CPU_BF16, world=World(rank=0, size=size))
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"), [("2.8.0", True), ("2.8.1+cu128", True), ("2.9.1+cu128", False), ("2.14.1", False)]
+)
+def test_fsdp_tp_is_refused_on_a_torch_that_cannot_step_it(monkeypatch, version, refused):
+    """torch 2.8's DTensor fails fsdp+tp's first optimizer step (tests/dist/test_sharded.py run on it)."""
+    monkeypatch.setattr(torch, "__version__", version)
+    config = make_config("model.name=vit_tiny6_patch7", "model.num_heads=6", "parallel.strategy=fsdp+tp")
+    config.parallel.tp_size = 2
+    if not refused:
+        assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).world.tp_size == 2
+        return
+    with pytest.raises(ConfigError, match=re.escape(f"needs torch >= 2.9 (this environment has {version}")):
+        resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4))
+    config.parallel.strategy = "fsdp"  # the strategies that run there are not refused
+    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).world.tp_size == 1
 
 
 def test_tensor_parallel_peers_share_a_data_slice():

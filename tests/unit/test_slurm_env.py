@@ -8,6 +8,7 @@ import subprocess
 import pytest
 import torch.distributed as dist
 
+from tests.conftest import FORWARDING_TORCHRUN
 from vitrain.cli import main
 from vitrain.config import World
 from vitrain.parallel import distributed, slurm
@@ -146,13 +147,6 @@ def _script(tmp_path, *launcher: str) -> str:
     assert main([*args, "--", "--recipe", "nemo_vit_b16_224", "--set", "data.root=/data/my imagenet"]) == 0
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     return path.read_text().replace(" \\\n    ", " ")  # one line per command
-
-
-FORWARDING_TORCHRUN = pytest.mark.skipif(
-    "--signals-to-handle" not in torchrun_options(),
-    reason="this torch's torchrun cannot forward SIGUSR1, so vitrain slurm refuses the torchrun launcher here "
-    "(test_a_torchrun_that_cannot_forward_sigusr1_is_refused_and_srun_named)",
-)
 
 
 TRAIN = "-m vitrain train --resume auto --recipe nemo_vit_b16_224 --set 'data.root=/data/my imagenet'"

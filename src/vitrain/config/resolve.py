@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vitrain import torch_release
 from vitrain.config import plan as parts
 from vitrain.config.plan import Plan, Stage, World
 from vitrain.config.schema import Config, ConfigError, ModelConfig
@@ -317,6 +318,24 @@ def _check_optimizer_sees_whole_tensors(optimizer: str, strategy: str, world: Wo
     )
 
 
+FSDP_TP_MIN_TORCH = (2, 9)
+"""The oldest torch whose DTensor runs fsdp+tp's optimizer step: torch 2.8's cannot step the parameters FSDP
+shards over the data-parallel mesh together with those sharded over both meshes."""
+
+
+def _check_torch_runs(strategy: str) -> None:
+    import torch
+
+    release = torch_release(torch.__version__)
+    floor = ".".join(map(str, FSDP_TP_MIN_TORCH))
+    _require(
+        strategy != "fsdp+tp" or release is None or release >= FSDP_TP_MIN_TORCH,
+        f"parallel.strategy=fsdp+tp needs torch >= {floor} (this environment has {torch.__version__}, whose "
+        f"DTensor cannot step the optimizer over the dp and dp x tp meshes together); pip install "
+        f"'torch>={floor}', or use parallel.strategy=fsdp or tp",
+    )
+
+
 def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) -> tuple[World, str]:
     """The world with its tensor-parallel degree, and the checkpoint format; every unsupported combination
     of strategy, model, precision and process count is refused here, naming the key."""
@@ -348,6 +367,7 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
             f"{config.model.name}; choose a tp_size that divides both",
         )
     _check_optimizer_sees_whole_tensors(config.optim.name, strategy, world)
+    _check_torch_runs(strategy)
     if strategy != "ddp":
         _require(
             precision != "fp16",
