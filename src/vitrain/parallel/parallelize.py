@@ -118,6 +118,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelPlan, preci
     for block in model.block_modules():
         fully_shard(block, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=False, **options)  # the root is needed first in the backward
+    if mesh.device_type == "cpu":
+        # gloo: reduce-scatter with SUM and divide after, not with AVG, which torch 2.8's gloo summed
+        # (every gradient times the world size)
+        for module in (*model.block_modules(), model):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_buffer_sync(model: nn.Module, mesh: DeviceMesh) -> None:
