@@ -11,9 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vitrain import torch_release
 from vitrain.config import Config, build_config
-from vitrain.config.resolve import FSDP_TP_MIN_TORCH
+from vitrain.config.resolve import fsdp_tp_runs_on
 from vitrain.parallel.slurm import torchrun_options
 from vitrain.train.step import TrainStep
 
@@ -24,7 +23,7 @@ FORWARDING_TORCHRUN = pytest.mark.skipif(
 )
 
 FSDP_TP_RUNS = pytest.mark.skipif(
-    (torch_release(torch.__version__) or FSDP_TP_MIN_TORCH) < FSDP_TP_MIN_TORCH,
+    not fsdp_tp_runs_on(torch.__version__),
     reason=f"torch {torch.__version__} cannot step fsdp+tp's optimizer, so vitrain refuses parallel.strategy=fsdp+tp "
     "here (test_fsdp_tp_is_refused_on_a_torch_that_cannot_step_it)",
 )

@@ -323,13 +323,18 @@ FSDP_TP_MIN_TORCH = (2, 9)
 shards over the data-parallel mesh together with those sharded over both meshes."""
 
 
+def fsdp_tp_runs_on(version: str) -> bool:
+    """Whether torch ``version`` can step fsdp+tp's optimizer (an unreadable version is let through)."""
+    release = torch_release(version)
+    return release is None or release >= FSDP_TP_MIN_TORCH
+
+
 def _check_torch_runs(strategy: str) -> None:
     import torch
 
-    release = torch_release(torch.__version__)
     floor = ".".join(map(str, FSDP_TP_MIN_TORCH))
     _require(
-        strategy != "fsdp+tp" or release is None or release >= FSDP_TP_MIN_TORCH,
+        strategy != "fsdp+tp" or fsdp_tp_runs_on(torch.__version__),
         f"parallel.strategy=fsdp+tp needs torch >= {floor} (this environment has {torch.__version__}, whose "
         f"DTensor cannot step the optimizer over the dp and dp x tp meshes together); pip install "
         f"'torch>={floor}', or use parallel.strategy=fsdp or tp",
