@@ -55,11 +55,10 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(args, nproc=2):
+def torchrun(args, nproc=2, program=("-m", "vitrain")):
+    """``program`` (vitrain, or a script's path) with ``args`` in ``nproc`` processes launched by torchrun."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run(
-        [*command, "-m", "vitrain", *args], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    return subprocess.run([*command, *program, *args], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def _weights(path):

@@ -10,15 +10,13 @@ The model: the 6-block ViT-Ti with 6 heads, so that 2 tensor-parallel ranks spli
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import FSDP_TP_RUNS
-from tests.dist.test_ddp import _assert_close, _env, _overrides, _set_args, _train_in_one_process, torchrun
+from tests.dist.test_ddp import _assert_close, _overrides, _set_args, _train_in_one_process, torchrun
 from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
 from vitrain.cli import main
 from vitrain.metrics import read_jsonl
@@ -104,10 +102,7 @@ def test_fsdp_cut_of_strided_rows_is_gathered_and_cut_whatever_torch_names_it(tm
     ``_StridedShard`` (torch 2.14) or ``Shard(0)`` (torch 2.11, whose DTensor cannot gather it; 2.14's
     gathers that name in another order). Checkpoints must gather and cut the rows FSDP2 holds either way."""
     worker, results = Path(__file__).with_name("strided_rows_worker.py"), tmp_path / "results.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    result = subprocess.run(
-        [*command, str(worker), str(results)], env=_env(), capture_output=True, text=True, timeout=300
-    )
+    result = torchrun([str(results)], nproc=4, program=(str(worker),))
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_jsonl(results)
     assert sorted((record["labeling"], record["rank"]) for record in records) == sorted(
