@@ -109,11 +109,14 @@ def one_process_run(tmp_path_factory):
 def test_ddp_two_processes_match_one_process(two_process_run, one_process_run):
     out_dir, result = two_process_run
     single = one_process_run
-    _assert_close(_weights(out_dir / "checkpoints" / "step-000000018.pt"), _weights(single / "checkpoints" / "step-000000018.pt"))
+    last = "checkpoints/step-000000018.pt"
+    _assert_close(_weights(out_dir / last), _weights(single / last))
     ours, reference = read_jsonl(out_dir / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
-    ours_train, reference_train = [r for r in ours if r["event"] == "train"], [r for r in reference if r["event"] == "train"]
+    ours_train = [r for r in ours if r["event"] == "train"]
+    reference_train = [r for r in reference if r["event"] == "train"]
     assert [r["step"] for r in ours_train] == [r["step"] for r in reference_train] == list(range(2, 19, 2))
-    assert [r["loss"] for r in ours_train] == pytest.approx([r["loss"] for r in reference_train], rel=1e-4)  # mean of ranks
+    losses = [r["loss"] for r in reference_train]
+    assert [r["loss"] for r in ours_train] == pytest.approx(losses, rel=1e-4)  # the mean over the ranks
     evals = [(r["num_samples"], r["top1"]) for r in ours if r["event"] == "eval"]
     reference_evals = [(r["num_samples"], r["top1"]) for r in reference if r["event"] == "eval"]
     assert [count for count, _ in evals] == [count for count, _ in reference_evals] == [30] * 3  # summed shards
@@ -162,9 +165,10 @@ def test_a_checkpoint_from_two_processes_resumes_in_one(two_process_run, tmp_pat
     out_dir, _ = two_process_run
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "step-000000006.pt").write_bytes((out_dir / "checkpoints" / "step-000000006.pt").read_bytes())
+    middle, last = "checkpoints/step-000000006.pt", "checkpoints/step-000000018.pt"
+    (resumed / middle).write_bytes((out_dir / middle).read_bytes())
     assert main(["train", "--resume", "auto", *_set_args(_overrides(resumed))]) == 0
-    _assert_close(_weights(resumed / "checkpoints" / "step-000000018.pt"), _weights(out_dir / "checkpoints" / "step-000000018.pt"))
+    _assert_close(_weights(resumed / last), _weights(out_dir / last))
 
 
 def test_ddp_with_mixing_resumes_to_the_same_weights(two_process_run, tmp_path):

@@ -155,6 +155,6 @@ def test_the_sbatch_script_checkpoints_on_usr1_and_requeues_after(tmp_path):
 
     requeues.unlink()
     with open(tmp_path / "requeued.log", "w") as log:  # the requeued job: the same script again
-        requeued = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, stdout=log, stderr=log, timeout=TIMEOUT_S)
+        requeued = subprocess.run(["bash", script], env=env, cwd=tmp_path, stdout=log, stderr=log, timeout=TIMEOUT_S)
     assert requeued.returncode == 0, (tmp_path / "requeued.log").read_text()[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 18 and not requeues.exists()

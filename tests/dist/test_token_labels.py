@@ -16,6 +16,7 @@ from vitrain.cli import main
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 
+
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory):
     """Token-labeling settings with label maps of a 10-class teacher over the 96 synthetic training images."""
