@@ -51,14 +51,21 @@ def _set_args(overrides):
     return [arg for override in overrides for arg in ("--set", override)]
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def torchrun_command(args, nproc=2, program=("-m", "vitrain")):
+    """The command that launches ``program`` (vitrain, or a script's path) with ``args`` in ``nproc``
+    processes through torchrun, on this host."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, *program, *args]
 
 
 def torchrun(args, nproc=2, program=("-m", "vitrain")):
-    """``program`` (vitrain, or a script's path) with ``args`` in ``nproc`` processes launched by torchrun."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run([*command, *program, *args], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    """Run :func:`torchrun_command` to its end."""
+    command = torchrun_command(args, nproc, program)
+    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def _weights(path):

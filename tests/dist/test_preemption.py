@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import FORWARDING_TORCHRUN
+from tests.dist.test_ddp import _env, _set_args, torchrun_command
 from vitrain.checkpoint import find_latest_checkpoint, load_checkpoint
 from vitrain.metrics import read_jsonl
 from vitrain.parallel.slurm import SlurmJob, sbatch_script
@@ -50,18 +51,10 @@ def _overrides(out_dir, *extra):
     ]
 
 
-def _set_args(overrides):
-    return [arg for override in overrides for arg in ("--set", override)]
-
-
-def _env(**extra):
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
 def _torchrun(args, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    """vitrain in 2 processes under torchrun, started and left running (its output in ``log``)."""
     with open(log, "w") as handle:
-        return subprocess.Popen([*command, "-m", "vitrain", *args], env=_env(), stdout=handle, stderr=handle)
+        return subprocess.Popen(torchrun_command(args), env=_env(), stdout=handle, stderr=handle)
 
 
 def _wait_for_training(run_dir: Path, process: subprocess.Popen, log: Path) -> None:
