@@ -162,3 +162,37 @@ def test_fsdp_weight_ema_matches_one_process_and_its_sharded_checkpoint_resumes(
     shutil.copytree(fsdp / step_6, resumed / step_6)
     assert main(["train", "--resume", "auto", *_set_args(_overrides(resumed, HEADS, *EMA))]) == 0
     _assert_close(_ema(resumed / FINAL), _ema(single / FINAL))
+
+
+def test_fsdp_on_a_cpu_mesh_reduces_gradients_by_sum_then_divides(tmp_path):
+    """torch 2.8's gloo summed FSDP2's averaging reduce-scatter (every gradient times the world size; only
+    its parity tests with SGD caught it): on a CPU mesh every FSDP group reduces with SUM and divides after,
+    on every torch. In this process, as a world of one: the flag on each group, and gradients equal to the
+    unsharded model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.conftest import make_config
+    from vitrain.config import DatasetInfo, Hardware, World, resolve
+    from vitrain.models import build_model
+    from vitrain.parallel.parallelize import apply_fsdp
+
+    config = make_config("model.name=vit_tiny6_patch7", "train.batch_size=16", "parallel.strategy=fsdp")
+    data = DatasetInfo(num_train=96, num_eval=32, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
+    plan = resolve(config, data, Hardware(cuda_available=False, bf16_supported=True), world=World(rank=0, size=2))
+    torch.manual_seed(0)
+    reference = build_model("vit_tiny6_patch7", img_size=28, in_chans=1, num_classes=10)
+    sharded = build_model("vit_tiny6_patch7", img_size=28, in_chans=1, num_classes=10)
+    sharded.load_state_dict(reference.state_dict())
+    images, labels = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        apply_fsdp(sharded, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), plan.parallel, plan.precision)
+        groups = [module._get_fsdp_state()._fsdp_param_group for module in (*sharded.block_modules(), sharded)]
+        assert len(groups) == 7 and all(group.force_sum_reduction_for_comms for group in groups)
+        for model in (reference, sharded):
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+        for (name, ours), theirs in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(ours.grad.full_tensor(), theirs.grad, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()
