@@ -6,6 +6,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -267,6 +269,45 @@ def test_a_failed_build_falls_back_with_one_warning_or_fails_when_required(monke
     assert len(warnings) == 1 and "g++: command not found" in warnings[0]
     with pytest.raises(kernels.KernelBuildError, match="train.cpu_kernels=auto"):
         kernels.set_mode("fused")
+
+
+def _lock_folder(tmp_path, age_s):
+    """A build folder holding torch's lock file, everything in it last touched ``age_s`` seconds ago."""
+    folder = tmp_path / "vitrain_cpu_kernels_x"
+    folder.mkdir()
+    for name in ("lock", "build.ninja", "module.o"):
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (time.time() - age_s, time.time() - age_s))
+    return folder
+
+
+def test_a_live_builds_lock_file_is_waited_for(tmp_path, monkeypatch):
+    """torch's older lock (the file's existence): loading waits while the folder shows a build at work."""
+    folder = _lock_folder(tmp_path, 30)
+    monkeypatch.setattr(kernels.build, "lock_kind", lambda: "file")
+    threading.Timer(0.3, (folder / "lock").unlink).start()  # the build ends
+    started = time.monotonic()
+    kernels.build.wait_for_lock_file(folder, idle_s=600, poll_s=0.02)
+    assert time.monotonic() - started >= 0.25 and not (folder / "lock").exists()
+
+
+def test_a_killed_builds_lock_file_falls_back_with_the_file_to_delete(tmp_path, monkeypatch, caplog):
+    """torch's older loader would wait for a killed build's lock file forever: after the folder stayed
+    untouched for LOCK_IDLE_S the run falls back to PyTorch's ops, naming the file; torch 2.14's OS lock
+    (a file left behind locks nothing) is not waited on at all."""
+    folder = _lock_folder(tmp_path, kernels.build.LOCK_IDLE_S + 5)
+    monkeypatch.setattr(kernels.build, "build_folder", lambda: folder)
+    monkeypatch.setattr(kernels.build, "lock_kind", lambda: "advisory")
+    kernels.build.wait_for_lock_file(folder, idle_s=0)
+    monkeypatch.setattr(kernels.build, "lock_kind", lambda: "file")
+    monkeypatch.setattr(kernels.build, "_load_extension", lambda: pytest.fail("loaded past a stale lock"))
+    monkeypatch.setattr(kernels.build, "_module", None)
+    monkeypatch.setattr(kernels.build, "_failure", None)
+    with caplog.at_level(logging.WARNING, logger="vitrain"):
+        assert kernels.load() is None
+    reason = kernels.build.failure()
+    assert "delete it, or set train.cpu_kernels=native" in reason and str(folder / "lock") in reason, reason
+    assert any(reason in record.getMessage() for record in caplog.records)
 
 
 def _conv_grads(x, conv, grad_out, function):

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -80,12 +81,16 @@ def extension_name() -> str:
     return f"vitrain_cpu_kernels_{_capability().lower()}"
 
 
+def build_folder() -> Path:
+    """The extension's folder in torch's cache, by torch's own rule: ``$TORCH_EXTENSIONS_DIR/<name>``, or a
+    per-Python, per-CUDA folder in its default root."""
+    return Path(_cpp_extension()._get_build_directory(extension_name(), verbose=False))
+
+
 def cached_build() -> Path | None:
     """The shared library of a previous build in torch's extension cache, or None: whether
     :func:`load` would load rather than compile (it still rebuilds when the sources changed)."""
-    cpp_extension = _cpp_extension()
-    # torch's own rule: $TORCH_EXTENSIONS_DIR/<name>, or a per-Python, per-CUDA folder in its default root
-    folder = Path(cpp_extension._get_build_directory(extension_name(), verbose=False))
+    folder = build_folder()
     libraries = sorted(folder.glob(f"{extension_name()}*.so"), key=lambda path: path.stat().st_mtime)
     return libraries[-1] if libraries else None
 
@@ -113,6 +118,42 @@ def lock_held(lock: Path) -> bool:
         return True  # another process builds now
     except (OSError, NotImplementedError):
         return True  # not ours to lock, or no OS locks here: the file's existence is all there is
+
+
+LOCK_IDLE_S = 600.0
+"""How long a build folder may stay untouched, its lock file still there, before the lock is taken for a
+killed build's leftover (a build writes an object file every minute or so on 2 cores)."""
+
+
+def wait_for_lock_file(folder: Path, idle_s: float = LOCK_IDLE_S, poll_s: float = 1.0) -> None:
+    """Where torch's loader takes the existence of ``folder/lock`` as its lock (:func:`lock_kind` ``file``) it
+    waits for the file forever, and a killed build leaves it behind. Wait here instead while a build is
+    visibly under way (something in ``folder`` changed within ``idle_s``), and raise ``RuntimeError``, naming
+    the file to delete, once the folder has stayed untouched that long. Returns at once with torch's OS lock."""
+    lock = folder / "lock"
+    if lock_kind() != "file":
+        return
+    waiting = False
+    while lock.exists():
+        idle = time.time() - _last_change(folder)
+        if idle >= idle_s:
+            raise RuntimeError(
+                f"torch's build lock {lock} is a leftover (nothing in its folder changed for {idle:.0f} s: a killed "
+                "build, or a newer torch, which leaves the file behind): delete it, or set train.cpu_kernels=native"
+            )
+        if not waiting:
+            log.info("fused CPU kernels: waiting for the build that holds %s", lock)
+            waiting = True
+        time.sleep(poll_s)
+
+
+def _last_change(folder: Path) -> float:
+    """The newest modification time in ``folder`` (0 when it is empty or gone)."""
+    times = []
+    for path in folder.glob("*"):
+        with contextlib.suppress(OSError):  # removed meanwhile
+            times.append(path.stat().st_mtime)
+    return max(times, default=0.0)
 
 
 def cache_state() -> tuple[CacheState, Path | None]:
@@ -154,6 +195,7 @@ def _cpp_extension() -> ModuleType:
 
 def _build() -> ModuleType:
     """The extension, compiled or loaded from torch's cache, after its error-path check."""
+    wait_for_lock_file(build_folder())
     module = _load_extension()
     check_error_path(Path(module.__file__))
     return module
