@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-from tests.conftest import FSDP_TP_RUNS
+from tests.conftest import FSDP_TP_RUNS, make_config
 from tests.dist.test_ddp import _assert_close, _overrides, _set_args, _train_in_one_process, torchrun
 from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
 from vitrain.cli import main
+from vitrain.config import DatasetInfo, Hardware, World, resolve
 from vitrain.metrics import read_jsonl
+from vitrain.models import build_model
+from vitrain.parallel.parallelize import apply_fsdp
 
 FINAL = "checkpoints/step-000000018"
 HEADS = "model.num_heads=6"
@@ -169,14 +174,6 @@ def test_fsdp_on_a_cpu_mesh_reduces_gradients_by_sum_then_divides(tmp_path):
     its parity tests with SGD caught it): on a CPU mesh every FSDP group reduces with SUM and divides after,
     on every torch. In this process, as a world of one: the flag on each group, and gradients equal to the
     unsharded model's."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests.conftest import make_config
-    from vitrain.config import DatasetInfo, Hardware, World, resolve
-    from vitrain.models import build_model
-    from vitrain.parallel.parallelize import apply_fsdp
-
     config = make_config("model.name=vit_tiny6_patch7", "train.batch_size=16", "parallel.strategy=fsdp")
     data = DatasetInfo(num_train=96, num_eval=32, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
     plan = resolve(config, data, Hardware(cuda_available=False, bf16_supported=True), world=World(rank=0, size=2))
