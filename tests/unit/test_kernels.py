@@ -310,6 +310,32 @@ def test_a_killed_builds_lock_file_falls_back_with_the_file_to_delete(tmp_path, 
     assert any(reason in record.getMessage() for record in caplog.records)
 
 
+def test_each_install_of_torch_builds_in_a_folder_of_its_own(monkeypatch):
+    """Two virtual environments of one Python share torch's default cache root: in one build folder each
+    would rebuild the other's build on its next load (minutes, after the doctor called it cached). The
+    name, a module name too, changes with torch's release and folder, the sources' folder, the flags and
+    $CXX, and is the same in another process (where the next run looks for it)."""
+    build = kernels.build
+    name = build.extension_name()
+    assert name.isidentifier() and name.startswith(f"vitrain_cpu_kernels_{build._capability().lower()}_")
+    assert build.build_folder().name == name
+    code = "from vitrain.kernels import build; print(build.extension_name())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == name
+    changes = [
+        lambda: monkeypatch.setattr(torch, "__version__", "2.11.0+cu130"),
+        lambda: monkeypatch.setattr(torch, "__file__", "/other/venv/site-packages/torch/__init__.py"),
+        lambda: monkeypatch.setattr(build, "SOURCES", [Path("/other/checkout/kernels/module.cpp")]),
+        lambda: monkeypatch.setattr(build, "_compile_flags", lambda capability: ["-O2"]),
+        lambda: monkeypatch.setenv("CXX", "/opt/gcc/bin/g++"),
+    ]
+    names = {name}
+    for change in changes:
+        change()
+        names.add(build.extension_name())
+    assert len(names) == len(changes) + 1, names
+
+
 def _conv_grads(x, conv, grad_out, function):
     x = x.detach().clone().requires_grad_()
     y = function(x, conv)

@@ -4,8 +4,9 @@ extension cannot be built.
 
 The sources beside this file are compiled on first use by torch's JIT extension loader for the host's
 vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C++) and cached by torch
-under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); building needs a C++ compiler
-and ninja (a dependency of the package). ``train.cpu_kernels=fused`` makes a failed build an error.
+under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a folder of their own per
+ISA and install of torch (:func:`extension_name`); building needs a C++ compiler and ninja (a
+dependency of the package). ``train.cpu_kernels=fused`` makes a failed build an error.
 
 Each new build is checked once, in a child process, for one thing a compile cannot show: that an error
 raised in its C++ code reaches Python as a ``RuntimeError``. With a compiler whose unwind tables the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -77,8 +79,25 @@ def _capability() -> str:
 
 
 def extension_name() -> str:
-    """The name torch's JIT loader builds and caches the extension under, one per vector ISA."""
-    return f"vitrain_cpu_kernels_{_capability().lower()}"
+    """The name torch's JIT loader builds and caches the extension under: one per vector ISA and per
+    :func:`build_key`, so that two installs of torch (two virtual environments of one Python) never share
+    a build folder. In one folder each would rebuild the other's build on its next load (minutes), and
+    a torch older than 2.14 could find the newer one's lock file and wait on it."""
+    return f"vitrain_cpu_kernels_{_capability().lower()}_{build_key()}"
+
+
+def build_key() -> str:
+    """Eight hex digits that change with whatever makes torch's loader rebuild a cached build: the torch
+    release and install folder (its include and library paths), the kernels' folder, the compile flags
+    and the compiler (``$CXX``)."""
+    parts = [
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+        str(SOURCES[0].resolve().parent),
+        " ".join(_compile_flags(_capability())),
+        os.environ.get("CXX", "c++"),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:8]
 
 
 def build_folder() -> Path:
@@ -253,7 +272,7 @@ def check_error_path(library: Path) -> None:
             raise RuntimeError(
                 f"{ERROR_PATH_FAILURE}: a process that made them raise one "
                 f"{_describe_exit(result.returncode)} ({library}); build them with the compiler torch was built "
-                f"with (CXX=/usr/bin/g++, then remove {library.parent}) or set train.cpu_kernels=native"
+                "with (e.g. CXX=/usr/bin/g++, which builds into a folder of its own) or set train.cpu_kernels=native"
             )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
