@@ -89,11 +89,11 @@ def extension_name() -> str:
 def build_key() -> str:
     """Eight hex digits that change with whatever makes torch's loader rebuild a cached build: the torch
     release and install folder (its include and library paths), the kernels' folder, the compile flags
-    and the compiler (``$CXX``)."""
+    and the compiler (``$CXX``). The folders as written into ``build.ninja``, links not resolved."""
     parts = [
         torch.__version__,
-        str(Path(torch.__file__).resolve().parent),
-        str(SOURCES[0].resolve().parent),
+        str(Path(torch.__file__).parent),
+        str(SOURCES[0].parent),
         " ".join(_compile_flags(_capability())),
         os.environ.get("CXX", "c++"),
     ]
