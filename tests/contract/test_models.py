@@ -213,6 +213,37 @@ def test_attention_module_uses_the_written_out_backward_only_where_it_applies(mo
     torch.testing.assert_close(fused_bf16.float(), results[1][0], rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("softmax_fp32", [False, True])
+def test_matmul_attention_compiles_as_one_graph_where_autocast_availability_is_untraceable(monkeypatch, softmax_fp32):
+    """Both matmul paths turn autocast off by device type. torch before 2.14 cannot trace
+    ``torch.amp.is_autocast_available``: asked while ``torch.compile`` traces, it broke the graph in
+    every block (16 graphs for 12 blocks, and eager past the recompile limit). Emulated on any torch by
+    making the question untraceable: the forward and backward still trace as one graph."""
+    untraceable = torch._dynamo.disable(torch.amp.is_autocast_available)
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    torch.manual_seed(0)
+    model = build_model(
+        "vit_tiny6_patch7", img_size=14, in_chans=1, depth=3, attn_impl="matmul", attn_softmax_fp32=softmax_fp32
+    )
+    images = torch.randn(2, 1, 14, 14)
+
+    def loss(x):
+        return model(x).square().sum()
+
+    def loss_and_grads(function):
+        value = function(images)
+        return value, *torch.autograd.grad(value, list(model.parameters()))
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(loss)(images)
+        compiled = loss_and_grads(torch.compile(loss, backend="aot_eager"))
+    finally:
+        torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch.testing.assert_close(compiled, loss_and_grads(loss))
+
+
 def test_fp32_softmax_switch_keeps_fp16_matmul_attention_finite_where_scores_overflow():
     from vitrain.models.layers import Attention
 

@@ -136,8 +136,15 @@ def conv_stem_flops(patch_size: int, in_chans: int, embed_dim: int, img_size: in
     return flops + 2 * side * side * channels * embed_dim
 
 
+_AUTOCAST_DEVICES = {name: torch.amp.is_autocast_available(name) for name in ("cpu", "cuda", "xpu", "mps", "meta")}
+"""Which device types have autocast (not the meta device), asked once here: torch before 2.14 cannot
+trace the question, and asking it inside ``torch.compile`` broke the graph at every attention."""
+
+
 def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    available = torch.amp.is_autocast_available(device.type)  # not on the meta device
+    available = _AUTOCAST_DEVICES.get(device.type)
+    if available is None:  # a device type not listed: asked each time
+        available = torch.amp.is_autocast_available(device.type)
     return torch.autocast(device.type, enabled=False) if available else contextlib.nullcontext()
 
 
