@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitrain import torch_release
 from vitrain.checkpoint.manager import CheckpointError
 from vitrain.config import ConfigError
 
@@ -38,6 +39,10 @@ MAX_ABS_DIFF = 1e-4
 """Largest |onnxruntime - PyTorch| logit accepted (fp32 on both sides: only the order of sums differs)."""
 CHECK_BATCHES = (1, 3)
 """Batch sizes the written file is checked at: one of them differs from the export's example (2)."""
+FAKE_TENSOR_CACHE_MIN_TORCH = (2, 10)
+"""The oldest torch whose ``torch.export`` may keep its fake-tensor dispatch cache with a free batch size:
+on 2.8 and 2.9 a cached result whose shape is a product with the batch size (VOLO's outlook attention)
+fails the export ("7776*s34 ... is not tracked with proxy")."""
 
 
 class OnnxCheckError(CheckpointError):
@@ -113,10 +118,23 @@ def _quiet_exporter() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def fake_tensor_cache_exports(version: str) -> bool:
+    """Whether torch ``version``'s export works with the fake-tensor cache on (unreadable: assumed so)."""
+    release = torch_release(version)
+    return release is None or release >= FAKE_TENSOR_CACHE_MIN_TORCH
+
+
+def _export_settings(version: str) -> contextlib.AbstractContextManager:
+    """The export with the fake-tensor cache off where torch ``version`` needs it, as it is otherwise."""
+    if fake_tensor_cache_exports(version):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
+
+
 def _write(model: nn.Module, out: Path, input_size: Sequence[int], metadata: dict[str, str]) -> int:
     """Export ``model`` (already plain, fp32, eval) to ``out`` with a free batch dimension; returns the opset."""
     example = torch.randn(2, *input_size, generator=torch.Generator().manual_seed(0))
-    with _quiet_exporter():
+    with _quiet_exporter(), _export_settings(torch.__version__):
         program = torch.onnx.export(
             model,
             (example,),
@@ -124,7 +142,9 @@ def _write(model: nn.Module, out: Path, input_size: Sequence[int], metadata: dic
             verbose=False,
             input_names=[INPUT_NAME],
             output_names=[OUTPUT_NAME],
-            dynamic_shapes=({0: torch.export.Dim(BATCH_DIM, min=1)},),
+            # min 2: torch.export may specialize a size of 1 (torch 2.9 does in VOLO's window copies); the
+            # file is free in N all the same, and checked at batch 1 after writing
+            dynamic_shapes=({0: torch.export.Dim(BATCH_DIM, min=2)},),
         )
     program.model.metadata_props.update(metadata)
     try:
