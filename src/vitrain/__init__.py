@@ -16,11 +16,17 @@ def torch_release(version: str) -> tuple[int, int] | None:
     return None if match is None else (int(match[1]), int(match[2]))
 
 
+def torch_at_least(version: str, floor: tuple[int, int]) -> bool:
+    """Whether torch ``version`` is release ``floor`` (major, minor) or newer, its pre-releases included;
+    an unreadable version is let through."""
+    release = torch_release(version)
+    return release is None or release >= floor
+
+
 def torch_version_problem(version: str) -> str | None:
     """Why torch ``version`` cannot run vitrain, with the fix; None when it can (pre-releases of a
     supported version, such as NGC's ``2.8.0a0+…``, included)."""
-    release = torch_release(version)
-    if release is None or release >= MIN_TORCH:
+    if torch_at_least(version, MIN_TORCH):
         return None
     floor = ".".join(map(str, MIN_TORCH))
     return (

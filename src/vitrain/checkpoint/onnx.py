@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitrain import torch_release
+from vitrain import torch_at_least
 from vitrain.checkpoint.manager import CheckpointError
 from vitrain.config import ConfigError
 
@@ -120,8 +120,7 @@ def _quiet_exporter() -> Iterator[None]:
 
 def fake_tensor_cache_exports(version: str) -> bool:
     """Whether torch ``version``'s export works with the fake-tensor cache on (unreadable: assumed so)."""
-    release = torch_release(version)
-    return release is None or release >= FAKE_TENSOR_CACHE_MIN_TORCH
+    return torch_at_least(version, FAKE_TENSOR_CACHE_MIN_TORCH)
 
 
 def _export_settings(version: str) -> contextlib.AbstractContextManager:

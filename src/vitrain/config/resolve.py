@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vitrain import torch_release
+from vitrain import torch_at_least
 from vitrain.config import plan as parts
 from vitrain.config.plan import Plan, Stage, World
 from vitrain.config.schema import Config, ConfigError, ModelConfig
@@ -325,8 +325,7 @@ shards over the data-parallel mesh together with those sharded over both meshes.
 
 def fsdp_tp_runs_on(version: str) -> bool:
     """Whether torch ``version`` can step fsdp+tp's optimizer (an unreadable version is let through)."""
-    release = torch_release(version)
-    return release is None or release >= FSDP_TP_MIN_TORCH
+    return torch_at_least(version, FSDP_TP_MIN_TORCH)
 
 
 def _check_torch_runs(strategy: str) -> None:
