@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,6 +233,23 @@ def test_kernels_without_a_compiler_warn(monkeypatch):
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
     (line,) = cpu.check_kernels(Context(synthetic_config()))
     assert line.status == "WARN" and "compiler" in line.value and line.fix
+
+
+def test_kernels_without_ninja_name_the_pip_install_into_this_environment(monkeypatch):
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: ("missing", None))
+    monkeypatch.setattr(cpu, "_compiler", lambda: "/usr/bin/c++")
+    monkeypatch.setattr(cpu.build, "ninja_binary", lambda: None)
+    (line,) = cpu.check_kernels(Context(synthetic_config()))
+    assert line.status == "WARN" and line.value == "cannot build: no ninja", line.value
+    assert f"{sys.executable} -m pip install ninja" in line.fix and "compiler" not in line.fix, line.fix
+
+
+def test_kernels_report_the_ninja_the_build_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: ("missing", None))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ninja on PATH: an environment that is not activated
+    ninja = pytest.importorskip("ninja", reason="the ninja package (a dependency of vitrain) is not installed")
+    (line,) = cpu.check_kernels(Context(synthetic_config()))
+    assert line.data["ninja"] == str(Path(ninja.BIN_DIR) / "ninja"), line.data
 
 
 @pytest.mark.parametrize("state", ["missing", "locked", "stale"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -328,12 +329,66 @@ def test_each_install_of_torch_builds_in_a_folder_of_its_own(monkeypatch):
         lambda: monkeypatch.setattr(build, "SOURCES", [Path("/other/checkout/kernels/module.cpp")]),
         lambda: monkeypatch.setattr(build, "_compile_flags", lambda capability: ["-O2"]),
         lambda: monkeypatch.setenv("CXX", os.environ.get("CXX", "c++") + "-13"),
+        lambda: monkeypatch.setattr(build, "ninja_version", lambda binary: "1.0.other"),
     ]
     names = {name}
     for change in changes:
         change()
         names.add(build.extension_name())
     assert len(names) == len(changes) + 1, names
+
+
+def _environments_ninja() -> str:
+    ninja = pytest.importorskip("ninja", reason="the ninja package (a dependency of vitrain) is not installed")
+    binary = kernels.build.ninja_binary()
+    assert binary is not None and Path(binary).parent == Path(ninja.BIN_DIR), (binary, ninja.BIN_DIR)
+    return binary
+
+
+def _unusable_ninja(folder: Path) -> Path:
+    """A ``ninja`` that fails every call, as torch's loader's first check (``ninja --version``) would see a
+    broken or foreign one."""
+    folder.mkdir()
+    fake = folder / "ninja"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("on_path", ["none", "another"])
+def test_the_build_runs_this_environments_ninja_whatever_path_holds(monkeypatch, tmp_path, on_path):
+    """torch's loader runs ``ninja`` from PATH, where ``.venv/bin/vitrain`` (an environment not activated)
+    finds none, or the system's of another release (which takes every object file for out of date). The
+    load sees the environment's ninja first on PATH, and PATH is as it was afterwards."""
+    binary = _environments_ninja()
+    path = str(tmp_path / "empty") if on_path == "none" else str(_unusable_ninja(tmp_path / "other"))
+    monkeypatch.setenv("PATH", path)
+    seen = {}
+
+    def load(**options):
+        seen["ninja"] = shutil.which("ninja")
+        seen["resolved"] = os.path.realpath(seen["ninja"]) if seen["ninja"] else None
+        seen["path"] = os.environ["PATH"].split(os.pathsep)
+        return types.SimpleNamespace(__file__="unused")
+
+    monkeypatch.setattr(kernels.build, "_cpp_extension", lambda: types.SimpleNamespace(load=load))
+    kernels.build._load_extension()
+    assert seen["resolved"] == os.path.realpath(binary), seen
+    assert seen["path"][1:] == [path] and not Path(seen["path"][0]).exists()  # only for the load
+    assert os.environ["PATH"] == path
+
+
+def test_the_real_loader_finds_the_environments_ninja_past_a_broken_one(built, tmp_path):
+    """End to end in a child process with torch's own loader (the cached build: ninja only checks it): a
+    failing ``ninja`` first on PATH would make torch refuse to load ("Ninja is required")."""
+    _environments_ninja()
+    path = os.pathsep.join([str(_unusable_ninja(tmp_path / "other")), os.environ.get("PATH", "")])
+    code = "from vitrain.kernels import build; module = build.load(); print(module is not None, build.failure())"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PATH": path}, timeout=1200
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split()[0] == "True", child.stdout + child.stderr
 
 
 def _conv_grads(x, conv, grad_out, function):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -112,7 +113,11 @@ def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | Non
         return Check(SECTION, "fused kernels", "WARN", f"locked: {path} exists, loading waits for it", fix, data)
     missing = [name for name, found in (("a C++ compiler", compiler), ("ninja", ninja)) if found is None]
     if missing:
-        fix = f"install {' and '.join(missing)} (e.g. apt-get install g++ ninja-build); bf16 CPU runs need it"
+        how = {
+            "a C++ compiler": "a C++ compiler (apt-get install g++)",
+            "ninja": f"ninja ({sys.executable} -m pip install ninja)",
+        }
+        fix = f"install {' and '.join(how[name] for name in missing)}; bf16 CPU runs need it"
         return Check(SECTION, "fused kernels", "WARN", f"cannot build: no {', no '.join(missing)}", fix, data)
     when = "not built yet" if state == "missing" else f"cached build at {path} is out of date"
     value = f"{when}; {compiler} found, the first bf16 CPU run builds and caches them"
@@ -121,7 +126,7 @@ def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | Non
 
 def check_kernels(context: Context) -> list[Check]:
     """Loads the extension only from a fresh cache: compiling takes minutes."""
-    compiler, ninja = _compiler(), shutil.which("ninja")
+    compiler, ninja = _compiler(), build.ninja_binary()
     state, path = build.cache_state()
     data = {"compiler": compiler, "ninja": ninja, "cache": state, "path": str(path) if path else None}
     data["loaded"] = False

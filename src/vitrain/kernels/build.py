@@ -6,7 +6,8 @@ The sources beside this file are compiled on first use by torch's JIT extension 
 vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C++) and cached by torch
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a folder of their own per
 ISA and install of torch (:func:`extension_name`); building needs a C++ compiler and ninja (a
-dependency of the package). ``train.cpu_kernels=fused`` makes a failed build an error.
+dependency of the package, run from this Python's environment whether or not it is activated:
+:func:`ninja_binary`). ``train.cpu_kernels=fused`` makes a failed build an error.
 
 Each new build is checked once, in a child process, for one thing a compile cannot show: that an error
 raised in its C++ code reaches Python as a ``RuntimeError``. With a compiler whose unwind tables the
@@ -19,12 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -88,16 +93,68 @@ def extension_name() -> str:
 
 def build_key() -> str:
     """Eight hex digits that change with whatever makes torch's loader rebuild a cached build: the torch
-    release and install folder (its include and library paths), the kernels' folder, the compile flags
-    and the compiler (``$CXX``). The folders as written into ``build.ninja``, links not resolved."""
+    release and install folder (its include and library paths), the kernels' folder, the compile flags,
+    the compiler (``$CXX``) and ninja's release (a ninja of another log format takes every object file
+    for out of date). The folders as written into ``build.ninja``, links not resolved."""
     parts = [
         torch.__version__,
         str(Path(torch.__file__).parent),
         str(SOURCES[0].parent),
         " ".join(_compile_flags(_capability())),
         os.environ.get("CXX", "c++"),
+        ninja_version(ninja_binary()),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:8]
+
+
+def ninja_binary() -> str | None:
+    """The ninja that builds the kernels: the one the ``ninja`` package (a dependency of vitrain) put
+    beside this Python, found also where its environment is not activated (``.venv/bin/vitrain``, whose
+    folder is not on ``PATH``), else the first on ``PATH``; None when there is neither. torch's loader runs
+    whichever ``ninja`` comes first on ``PATH``: one machine's system ninja and the environment's may differ
+    in release, and each would take the other's build for out of date (minutes on 2 cores)."""
+    try:
+        import ninja
+    except ImportError:
+        ninja = None
+    if ninja is not None and ninja.BIN_DIR:
+        candidate = Path(ninja.BIN_DIR) / f"ninja{sysconfig.get_config_var('EXE') or ''}"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("ninja")
+
+
+@functools.cache
+def ninja_version(binary: str | None) -> str:
+    """``ninja --version`` of ``binary`` (``none`` without one, ``unknown`` where it does not answer)."""
+    if binary is None:
+        return "none"
+    try:
+        answer = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return answer.stdout.strip() or "unknown"
+
+
+@contextlib.contextmanager
+def _ninja_first_on_path():
+    """``PATH`` for torch's loader, which runs ``ninja`` by name: a folder holding only a link to
+    :func:`ninja_binary` goes first where ``PATH`` would find another ninja or none (nothing else this
+    environment's folder holds, such as its own compilers, is put before the user's ``PATH``)."""
+    binary, before = ninja_binary(), os.environ.get("PATH")
+    if binary is None or shutil.which("ninja") == binary:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="vitrain-ninja-") as folder:
+        (Path(folder) / Path(binary).name).symlink_to(binary)
+        os.environ["PATH"] = os.pathsep.join(filter(None, [folder, before]))
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = before
 
 
 def build_folder() -> Path:
@@ -332,13 +389,14 @@ def _load_extension() -> ModuleType:
             f"kernel sources missing from {Path(__file__).parent}: {', '.join(missing)}; reinstall vitrain"
         )
     capability = _capability()
-    return cpp_extension.load(
-        name=extension_name(),
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=_compile_flags(capability),
-        extra_ldflags=["-fopenmp"],
-        verbose=os.environ.get("VITRAIN_KERNELS_VERBOSE") == "1",
-    )
+    with _ninja_first_on_path():
+        return cpp_extension.load(
+            name=extension_name(),
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=_compile_flags(capability),
+            extra_ldflags=["-fopenmp"],
+            verbose=os.environ.get("VITRAIN_KERNELS_VERBOSE") == "1",
+        )
 
 
 def set_mode(mode: Mode) -> None:
