@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,7 +44,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from vitrain.checkpoint.manager import CheckpointError, load_checkpoint
+from vitrain.checkpoint.manager import (
+    CHECKPOINT_EXPECTED,
+    CHECKPOINT_FIX,
+    CheckpointError,
+    check_readable_file,
+    error_summary,
+    load_checkpoint,
+)
 from vitrain.checkpoint.manager import _fsync_dir as fsync_dir
 from vitrain.parallel.distributed import active, barrier
 
@@ -230,6 +239,14 @@ def save_sharded(final: Path, tensors: dict[str, Any], extras: dict[str, Any], i
     return final
 
 
+class _RefusedObject(pickle.UnpicklingError):
+    """The metadata names a class outside what a checkpoint's metadata holds."""
+
+
+METADATA_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError)
+"""What unpickling damaged bytes raises (a cut-off stream, an unknown opcode, a bad memo or argument)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes, torch dtypes/sizes/layouts and paths; refuses anything else."""
 
@@ -243,7 +260,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             or (module == "collections" and name == "OrderedDict")
         )
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+            raise _RefusedObject(f"{module}.{name} is not part of a checkpoint's metadata")
         return super().find_class(module, name)
 
 
@@ -252,19 +269,53 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = Path(self.path) / ".metadata"
+        check_readable_file(path, f"checkpoint {self.path}:", CHECKPOINT_FIX)
         try:
             with open(path, "rb") as handle:
                 metadata = _MetadataUnpickler(handle).load()
-        except pickle.UnpicklingError as error:
+        except _RefusedObject as error:
             raise CheckpointError(
                 f"checkpoint {self.path}: {path.name} holds objects that need arbitrary unpickling, which vitrain "
-                f"refuses: {error}"
+                f"refuses: {error}; use a checkpoint written by vitrain"
             ) from None
-        except (OSError, EOFError) as error:
-            raise CheckpointError(f"checkpoint {self.path}: cannot read {path.name}: {error}") from None
+        except OSError as error:
+            raise CheckpointError(
+                f"checkpoint {self.path}: {path.name} cannot be read: {error.strerror or error}; {CHECKPOINT_FIX}"
+            ) from None
+        except METADATA_ERRORS as error:
+            raise CheckpointError(_damaged(Path(self.path), f"{path.name} is truncated or damaged", error)) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"checkpoint {self.path}: {path.name} holds a {type(metadata).__name__}, not DCP's metadata; "
+                f"{CHECKPOINT_FIX}"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = self.storage_meta  # as DCP's own reader does
         return metadata
+
+
+def _damaged(folder: Path, what: str, error: BaseException) -> str:
+    return f"checkpoint {folder}: {what} ({error_summary(error)}); {CHECKPOINT_FIX}"
+
+
+@contextlib.contextmanager
+def _reading_shards(folder: Path, into_a_run: bool = False):
+    """DCP's load of the folder's tensors: a shard file it cannot read (cut off, damaged, missing) or, loading
+    ``into_a_run``'s state, tensors that do not map onto it (DCP's CheckpointException, which is no
+    Exception) become a CheckpointError."""
+    try:
+        with _without_process_group_warning():
+            yield
+    except CheckpointException as error:
+        failures = list(error.failures.values())
+        cause = failures[0][0] if failures else error
+        reading = any(frame.name == "read_data" for _, trace in failures for frame in trace or ())
+        if into_a_run and not reading:  # planning: the saved tensors do not map onto this run's
+            raise CheckpointError(
+                f"checkpoint {folder}: its tensors cannot be loaded into this run ({error_summary(cause)}); resume "
+                f"with the config the run started with; if that is the one, {CHECKPOINT_FIX}"
+            ) from None
+        raise CheckpointError(_damaged(folder, "its tensor files (*.distcp) cannot be read", cause)) from None
 
 
 def _check_folder(folder: Path) -> None:
@@ -283,8 +334,10 @@ def load_sharded(folder: Path, reference: dict[str, Any]) -> tuple[dict[str, Any
     folder = Path(folder)
     _check_folder(folder)
     tensors = _map_tree(_replicated, reference)
-    with _without_process_group_warning():
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(folder), no_dist=not active())
+    reader = SafeFileSystemReader(folder)
+    reader.read_metadata()  # damage reported here, not first as DCP's warning with a traceback
+    with _reading_shards(folder, into_a_run=True):
+        dcp.load(tensors, storage_reader=reader, no_dist=not active())
     return _map_tree(_unreplicated, tensors, reference), load_checkpoint(folder / EXTRAS_FILE)
 
 
@@ -314,9 +367,28 @@ def read_sharded_model(folder: Path, weights: str = "live") -> dict[str, torch.T
     }
     if not tensors:
         raise CheckpointError(_no_weights_message(folder, weights))
-    with _without_process_group_warning():
+    with _reading_shards(folder):
         dcp.load({key: tensors}, storage_reader=reader, no_dist=True)
     return tensors
+
+
+def check_payload(payload: Any, path: Path) -> dict[str, Any]:
+    """``payload``, a checkpoint's content: a dict whose tensors (``model``, ``ema``) are dicts, whose
+    ``config`` (when there) is one; anything else (a torch file of a tensor, a list, ...) is a CheckpointError."""
+    if not isinstance(payload, dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds a {type(payload).__name__}, not a vitrain checkpoint (a dict of the model's "
+            f"tensors, the config, ...); check the path: give {CHECKPOINT_EXPECTED}"
+        )
+    wrong = [
+        key for key in ("model", "ema", "config", "state") if key in payload and not isinstance(payload[key], dict)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {path}: its {', '.join(wrong)} is a {type(payload[wrong[0]]).__name__}, not a dict: it is "
+            f"not a vitrain checkpoint; check the path: give {CHECKPOINT_EXPECTED}"
+        )
+    return payload
 
 
 def read_checkpoint_model(path: Path, weights: str = "live") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -324,8 +396,10 @@ def read_checkpoint_model(path: Path, weights: str = "live") -> tuple[dict[str, 
     state; no optimizer, no other weights) of a checkpoint in either format, in this process alone."""
     path = Path(path)
     if is_sharded_checkpoint(path):
-        return read_sharded_model(path, weights), load_checkpoint(path / EXTRAS_FILE)
+        tensors = read_sharded_model(path, weights)
+        return tensors, check_payload(load_checkpoint(path / EXTRAS_FILE), path / EXTRAS_FILE)
     payload = load_checkpoint(path)
+    check_payload(payload, path)
     if WEIGHTS_KEYS[weights] not in payload:
         raise CheckpointError(_no_weights_message(path, weights))
     info = {key: value for key, value in payload.items() if key not in ("model", "optimizer", "ema")}

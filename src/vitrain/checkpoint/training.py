@@ -31,6 +31,7 @@ from vitrain.checkpoint.manager import (
 from vitrain.checkpoint.rng import capture_rng_state, restore_rank_rng_state
 from vitrain.checkpoint.sharded import (
     EXTRAS_FILE,
+    check_payload,
     full_state,
     is_sharded_checkpoint,
     load_model_state,
@@ -161,6 +162,8 @@ class RunCheckpoints:
         try:
             # sharded: every rank reads its shards (DCP reshards to this process count)
             state = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_payload(payload)
+        except CheckpointError:
+            raise  # a file that cannot be read says so itself
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this run ({str(error).splitlines()[0][:200]}); "
@@ -204,6 +207,11 @@ def find_resume_checkpoint(resume: str | None, out_dir: Path, sibling_runs: str 
     if resume is None:
         return None
     if resume not in RESUME_NAMES:
+        if Path(resume).is_dir():
+            raise CheckpointError(
+                f"--resume {resume} is a folder, not a checkpoint file; give a step-*.pt file, or for a run folder "
+                f"(sharded step-* folders included) set train.out_dir={resume} and use --resume auto|last|best"
+            )
         if not Path(resume).is_file():
             raise CheckpointError(
                 f"--resume {resume}: no such checkpoint file; give a step-*.pt file or --resume auto|last|best"
@@ -238,8 +246,10 @@ def _newest_checkpoint(out_dir: Path, sibling_runs: str | None) -> Path | None:
 def load_resume_payload(path: Path, model_name: str) -> dict[str, Any]:
     """The checkpoint to resume from, refused (CheckpointError/ConfigError) when it is missing,
     unreadable, needs arbitrary unpickling, or holds another model than ``model_name``."""
-    payload = load_checkpoint(path / EXTRAS_FILE if is_sharded_checkpoint(path) else path)
-    saved_model = payload.get("config", {}).get("model", {}).get("name")
+    file = path / EXTRAS_FILE if is_sharded_checkpoint(path) else path
+    payload = check_payload(load_checkpoint(file), file)
+    saved = payload.get("config", {}).get("model", {})
+    saved_model = saved.get("name") if isinstance(saved, dict) else None
     if saved_model != model_name:
         raise ConfigError(
             f"--resume {path}: the checkpoint holds a {saved_model} but model.name={model_name}; "

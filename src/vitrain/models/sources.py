@@ -43,15 +43,19 @@ def read_vitrain_weights(path: Path, kind: SourceKind) -> tuple[dict[str, torch.
             ".safetensors file or a timm model"
         )
     if kind == "safetensors":
-        from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file
-
+        tensors, metadata = _read_safetensors(path)
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-            return load_file(str(path)), json.loads(metadata.get("config", "{}"))
-        except (SafetensorError, OSError, json.JSONDecodeError) as error:
-            raise WeightsSourceError(f"{path} is not a readable safetensors file ({error}); export it again") from None
+            config = json.loads(metadata.get("config", "{}"))
+        except ValueError as error:
+            raise WeightsSourceError(
+                f"safetensors file {path}: its metadata's config is not JSON ({error}); export it again"
+            ) from None
+        if not isinstance(config, dict):
+            raise WeightsSourceError(
+                f"safetensors file {path}: its metadata's config is a {type(config).__name__}, not vitrain's; "
+                "export it again"
+            )
+        return tensors, config
     try:
         state_dict, info = read_checkpoint_model(resolve_checkpoint_argument(path))
     except CheckpointError as error:
@@ -62,23 +66,39 @@ def read_vitrain_weights(path: Path, kind: SourceKind) -> tuple[dict[str, torch.
 def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a .safetensors file, or a torch file (weights only) holding one, possibly under
     ``model`` or ``state_dict`` (DeiT's and many training scripts' layout)."""
+    from vitrain.checkpoint.manager import CheckpointError, read_torch_file
+
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise WeightsSourceError(f"weights file {path} does not exist; give a local .safetensors, .pth or .bin file")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    from vitrain.checkpoint import CheckpointError, load_checkpoint
-
+        return _read_safetensors(path, "weights file")[0]
     try:
-        payload = load_checkpoint(path)
+        payload = read_torch_file(path, "weights file", WEIGHTS_FIX, "a .safetensors, .pth or .bin file of the weights")
     except CheckpointError as error:
         raise WeightsSourceError(str(error)) from None
     for key in ("model", "state_dict"):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
+    if not isinstance(payload, dict) or not any(isinstance(value, torch.Tensor) for value in payload.values()):
+        raise WeightsSourceError(
+            f"weights file {path} holds no state dict of tensors (a {type(payload).__name__}); give the model's "
+            "weights file (.safetensors, .pth or .bin)"
+        )
     return payload
+
+
+WEIGHTS_FIX = "download or copy it again"
+
+
+def _read_safetensors(path: Path, what: str = "safetensors file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a .safetensors file; what keeps it from being read is a WeightsSourceError."""
+    from vitrain.checkpoint.manager import SAFETENSORS_FIX, CheckpointError, read_safetensors
+
+    try:
+        return read_safetensors(path, what, SAFETENSORS_FIX if what == "safetensors file" else WEIGHTS_FIX)
+    except CheckpointError as error:
+        raise WeightsSourceError(str(error)) from None
 
 
 def cached_timm_weights(name: str) -> Path:

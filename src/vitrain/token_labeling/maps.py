@@ -131,10 +131,14 @@ class LabelMapWriter:
         }
 
     def _check_existing(self) -> None:
+        """A folder already there must hold maps of this layout (its index and its finished shards), else
+        ConfigError: before any labeling, not after it."""
         index_path = self.path / INDEX_FILE
-        if not index_path.is_file():
+        if not index_path.exists():
             return
-        existing = json.loads(index_path.read_text())
+        fix = "give another --out or delete the folder"
+        existing = read_index(index_path, fix)
+        _layout(existing, index_path, fix)
         planned = self.index(complete=False)
         keys = ("format_version", "num_classes", "k", "height", "width", "count", "samples_per_shard", "fingerprint")
         differing = [key for key in keys if existing.get(key) != planned.get(key)]
@@ -144,6 +148,12 @@ class LabelMapWriter:
                 f"{index_path}: this folder holds label maps made differently ({details}); "
                 "give another --out or delete the folder"
             )
+        for shard in range(self.layout.num_shards):
+            folder = self.path / shard_name(shard)
+            if folder.exists():
+                expected = (len(self.layout.shard_range(shard)), self.layout.k, self.layout.height, self.layout.width)
+                open_shard(folder, expected, self.path)
+                self.shard_missing(shard)
 
     def write_header(self) -> None:
         """``index.json`` marked incomplete: the layout of a generation under way."""
@@ -161,7 +171,14 @@ class LabelMapWriter:
         return {shard for shard in range(self.layout.num_shards) if (self.path / shard_name(shard)).is_dir()}
 
     def shard_missing(self, shard: int) -> list[int]:
-        return json.loads((self.path / shard_name(shard) / "missing.json").read_text())
+        path = self.path / shard_name(shard) / "missing.json"
+        try:
+            missing = json.loads(path.read_text())
+        except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
+            raise ConfigError(f"{path} cannot be read ({error}); {_remake_shard(path.parent, self.path)}") from None
+        if not isinstance(missing, list) or not all(isinstance(index, int) for index in missing):
+            raise ConfigError(f"{path} is not a list of sample indices; {_remake_shard(path.parent, self.path)}")
+        return missing
 
     def write_shard(self, shard: int, scores: np.ndarray, indices: np.ndarray, missing: Sequence[int]) -> None:
         """Shard ``shard`` (its ``(n, k, H, W)`` scores and indices), written to a temporary folder and
@@ -202,6 +219,83 @@ def _write_json_atomically(path: Path, value: Any) -> None:
 
 # --- reading ------------------------------------------------------------------------------------
 
+LAYOUT_KEYS = ("count", "num_classes", "k", "height", "width", "samples_per_shard")
+NPY_MAGIC = b"\x93NUMPY"
+ARRAY_ERRORS = (OSError, ValueError, EOFError)
+"""What ``np.load`` raises on a file that is no ``.npy`` array: a folder, no permission, pickled or random
+bytes, a header cut off, data shorter than its header says."""
+
+
+def read_index(path: Path, fix: str) -> dict[str, Any]:
+    """``index.json`` of a folder of label maps, as a dict; a folder in its place, an unreadable file or one
+    that is not a JSON object is a ConfigError naming it, with ``fix``."""
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be read ({error.strerror or error}); {fix}") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{path} is not valid JSON ({error}); {fix}") from None
+    if not isinstance(index, dict):
+        raise ConfigError(f"{path} holds a JSON {type(index).__name__}, not the index of label maps; {fix}")
+    return index
+
+
+def _remake_shard(folder: Path, maps: Path) -> str:
+    return f"delete {folder} and rerun `vitrain label` with --out {maps} to make it again"
+
+
+def open_shard(folder: Path, expected: tuple[int, ...], maps: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's memory-mapped scores and indices, checked for shape ``expected`` and dtype (cheap: the
+    headers); a missing shard, a file in the folder's place or an array file that is not one of that shape is
+    a ConfigError naming the file (``maps``: the folder of label maps)."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file where a shard folder belongs; {_remake_shard(folder, maps)}")
+    arrays = []
+    for name, dtype in (("scores", np.float16), ("indices", np.int16)):
+        path = folder / f"{name}.npy"
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(len(NPY_MAGIC))
+            if head != NPY_MAGIC:  # np.load would try it as a pickle, and advise loading that unsafely
+                raise ValueError("0 bytes" if not head else "not a .npy file")
+            array = np.load(path, mmap_mode="r")
+        except FileNotFoundError as error:
+            raise ConfigError(
+                f"{error.filename} is missing: the label maps are incomplete; rerun `vitrain label` with --out "
+                f"{maps} to make the missing shards"
+            ) from None
+        except ARRAY_ERRORS as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+            raise ConfigError(
+                f"{path} cannot be read as an array ({reason[:200] or type(error).__name__}); "
+                f"{_remake_shard(folder, maps)}"
+            ) from None
+        if not isinstance(array, np.ndarray) or array.shape != expected or array.dtype != dtype:
+            found = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise ConfigError(f"{path}: {found}, expected {np.dtype(dtype)} {expected}; {_remake_shard(folder, maps)}")
+        arrays.append(array)
+    return arrays[0], arrays[1]
+
+
+def _layout(index: dict[str, Any], where: Path, fix: str) -> MapLayout:
+    """The layout an index records; a key missing or not a whole number is a ConfigError naming the file."""
+    values = {}
+    for key in LAYOUT_KEYS:
+        value = index.get(key)
+        smallest = 0 if key == "count" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ConfigError(
+                f"{where}: {key} is {value!r}, not a whole number >= {smallest}: not the index `vitrain label` "
+                f"writes; {fix}"
+            )
+        values[key] = value
+    missing = index.get("missing", [])
+    if not isinstance(missing, list) or not all(isinstance(entry, int) for entry in missing):
+        raise ConfigError(f"{where}: missing is not a list of sample indices; {fix}")
+    return MapLayout(**values)
+
 
 def _as_index_array(indices: Sequence[int] | torch.Tensor) -> np.ndarray:
     if isinstance(indices, torch.Tensor):
@@ -216,14 +310,13 @@ class LabelMaps:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         index_path = self.path / INDEX_FILE
+        fix = f"rerun `vitrain label` with --out {self.path}"
         try:
-            self.index = json.loads(index_path.read_text())
+            self.index = read_index(index_path, fix)
         except FileNotFoundError:
             raise ConfigError(
                 f"{index_path} does not exist; make label maps with `vitrain label --out {self.path}`"
             ) from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{index_path} is not valid JSON ({error}); rerun `vitrain label`") from None
         if self.index.get("format_version") != FORMAT_VERSION:
             raise ConfigError(
                 f"{index_path}: format version {self.index.get('format_version')}, this vitrain reads "
@@ -234,16 +327,8 @@ class LabelMaps:
                 f"{index_path}: the label maps are incomplete (an interrupted `vitrain label`); rerun it with the "
                 "same arguments to finish them"
             )
-        index = self.index
-        self.layout = MapLayout(
-            index["count"],
-            index["num_classes"],
-            index["k"],
-            index["height"],
-            index["width"],
-            index["samples_per_shard"],
-        )
-        self.missing = frozenset(index.get("missing", ()))
+        self.layout = _layout(self.index, index_path, fix)
+        self.missing = frozenset(self.index.get("missing", ()))
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._pid = os.getpid()
 
@@ -257,17 +342,15 @@ class LabelMaps:
         if self._pid != os.getpid():  # a forked worker: its own maps
             self._arrays, self._pid = {}, os.getpid()
         if shard not in self._arrays:
-            folder = self.path / shard_name(shard)
-            try:
-                scores = np.load(folder / "scores.npy", mmap_mode="r")
-                indices = np.load(folder / "indices.npy", mmap_mode="r")
-            except FileNotFoundError as error:
-                raise ConfigError(
-                    f"{error.filename} is missing: the label maps are incomplete; rerun `vitrain label` with --out "
-                    f"{self.path} to make the missing shards"
-                ) from None
-            self._arrays[shard] = (scores, indices)
+            layout = self.layout
+            expected = (len(layout.shard_range(shard)), layout.k, layout.height, layout.width)
+            self._arrays[shard] = open_shard(self.path / shard_name(shard), expected, self.path)
         return self._arrays[shard]
+
+    def check_layout(self) -> None:
+        """Every shard is there, its arrays readable with their shape and dtype (their headers: cheap)."""
+        for shard in range(self.layout.num_shards):
+            self._shard_arrays(shard)
 
     def read(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The maps of samples ``indices``: ``(B, 2, k, H, W)`` float32, scores then class indices."""
@@ -295,17 +378,10 @@ class LabelMaps:
 
     def _check_shard(self, shard: int) -> None:
         layout = self.layout
-        scores, classes = self._shard_arrays(shard)
+        scores, classes = self._shard_arrays(shard)  # shapes and dtypes checked
         folder = self.path / shard_name(shard)
-        expected = (len(layout.shard_range(shard)), layout.k, layout.height, layout.width)
-        for name, array, dtype in (("scores", scores, np.float16), ("indices", classes, np.int16)):
-            if array.shape != expected or array.dtype != dtype:
-                raise ConfigError(
-                    f"{folder / (name + '.npy')}: {array.dtype} {array.shape}, expected {np.dtype(dtype)} {expected}; "
-                    "delete this shard folder and rerun `vitrain label` to make it again"
-                )
         start = shard * layout.samples_per_shard
-        present = np.array([start + row not in self.missing for row in range(expected[0])], dtype=bool)
+        present = np.array([start + row not in self.missing for row in range(len(scores))], dtype=bool)
         if not np.isfinite(scores[present]).all():
             raise ConfigError(f"{folder / 'scores.npy'}: non-finite scores; delete the shard and rerun `vitrain label`")
         kept = classes[present]
@@ -327,7 +403,8 @@ def validate_header(
         )
     if fingerprint is None:
         return
-    made_for = index.get("fingerprint", {})
+    made_for = index.get("fingerprint")
+    made_for = made_for if isinstance(made_for, dict) else {}
     if made_for.get("count") != fingerprint.count:
         raise ConfigError(
             f"{where}: label maps were made for {made_for.get('count')} images, the training data has "
@@ -364,16 +441,18 @@ class PublishedLabelMaps:
         return self.root / published_map_name(self.sample_keys[index])
 
     def _load(self, index: int) -> torch.Tensor:
+        from vitrain.checkpoint.manager import CheckpointError, read_torch_file
+
         path = self.file(index)
-        try:
-            value = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
+        if not path.exists():
             raise ConfigError(
                 f"{path} is missing: the published label maps have no map for training image "
                 f"{self.sample_keys[index]}; use the maps made for this training set or make them with `vitrain label`"
-            ) from None
-        except Exception as error:  # a torch file that is not a tensor file: pickle, zip and type errors alike
-            raise ConfigError(f"{path} cannot be read as a tensor ({error}); download or make it again") from None
+            )
+        try:
+            value = read_torch_file(path, "label map", "download or make it again", "a [2, k, H, W] tensor file")
+        except CheckpointError as error:
+            raise ConfigError(str(error)) from None
         if not isinstance(value, torch.Tensor) or value.ndim != 4 or value.shape[0] != 2:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ConfigError(f"{path} holds {shape}, not a [2, k, H, W] label map; it is not a token-label file")
@@ -416,9 +495,10 @@ def open_label_maps(path: str | Path, sample_keys: Sequence[str], num_classes: i
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path} is not a folder of label maps; make them with `vitrain label --out {path}`")
-    if (path / INDEX_FILE).is_file():
+    if (path / INDEX_FILE).exists():
         maps = LabelMaps(path)
         validate_header(maps.index, path / INDEX_FILE, num_classes, DatasetFingerprint.of_keys(sample_keys))
+        maps.check_layout()  # a missing or damaged shard stops the run now, not at the step that reads it
         return maps
     published = PublishedLabelMaps(path, sample_keys)
     if not sample_keys:
