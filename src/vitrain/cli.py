@@ -399,8 +399,29 @@ def _add_slurm_parser(commands) -> None:
     slurm.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `vitrain train`")
 
 
+def _parse_train_args(train_args: list[str]) -> argparse.Namespace:
+    """``vitrain train``'s parse of the arguments after ``--``; where argparse refuses them (an unknown
+    flag), one ``vitrain: error:`` line, without argparse's usage text, and exit 2 (SystemExit, as argparse)."""
+    import io
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return build_parser().parse_args(["train", *train_args])
+    except SystemExit as stop:
+        if stop.code in (0, None):  # --help: printed to stdout
+            raise
+        lines = captured.getvalue().strip().splitlines() or ["error: cannot parse them"]
+        reason = lines[-1].split("error: ", 1)[-1]
+        print(f"vitrain: error: the training arguments after --: {reason}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
 def command_slurm(args: argparse.Namespace) -> int:
-    from vitrain.parallel.slurm import SlurmJob, sbatch_script
+    """The batch script, written only once the training arguments resolve to a run of nodes x GPUs CUDA
+    processes here, as ``vitrain train`` checks them (recipe, --config, --set, resolve()), the files on the
+    cluster (data.root, checkpoints, teachers, label maps) not looked for (``check_train_config``)."""
+    from vitrain.parallel.slurm import SlurmJob, check_train_config, sbatch_script
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -416,7 +437,8 @@ def command_slurm(args: argparse.Namespace) -> int:
         numa_binding=not args.no_numa_binding,
         launcher=args.launcher,
     )
-    build_parser().parse_args(["train", *train_args])  # bad train arguments fail here, not on the cluster
+    train = _parse_train_args(train_args)  # bad train arguments fail here, not on the cluster
+    check_train_config(load_config(get_recipe(train.recipe), train), job.nodes * job.gpus_per_node)
     try:
         script = sbatch_script(job, train_args)
     except ValueError as error:  # what this environment's torchrun cannot do

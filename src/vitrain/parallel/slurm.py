@@ -6,6 +6,8 @@ joins the other nodes through a c10d rendezvous on the job's first node (torchru
 no home-made launcher). Launcher srun: Slurm starts G tasks per node, each ``python -m vitrain train``
 itself; each takes its rank from Slurm's variables (``World.from_env``) and meets the others at the
 job's first node (:func:`slurm_rendezvous`).
+Before the script is written, :func:`check_train_config` resolves the training config for the job's
+processes, as ``vitrain train`` will, without the files that live on the cluster.
 Slurm sends SIGUSR1 a few minutes before the time limit: the batch shell passes it on to the
 workers (srun and torchrun forward it), which finish their step, write a checkpoint and exit with
 code 3 (``vitrain.cli.EXIT_PREEMPTED``; torchrun itself then exits non-zero); once the job step has
@@ -16,12 +18,19 @@ write the checkpoint.) SIGTERM, which Slurm sends on preemption or ``scancel``, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vitrain.config import Config, DataConfig, DatasetInfo, Plan
 
 LAUNCHERS = ("torchrun", "srun")
 
@@ -179,6 +188,112 @@ def _launch_with_requeue(command: list[str]) -> list[str]:
         'exit "$status"',
         "",
     ]
+
+
+# --- the training arguments, checked on this machine ----------------------------------------------
+
+IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
+FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES = 60_000, 10_000
+
+CLUSTER_PATHS = (
+    "data.root",
+    "data.token_labels",
+    "train.init_from",
+    "train.init_weights",
+    "train.teacher",
+    "train.teacher_weights",
+)
+"""Config keys naming files on the cluster: not looked for on the machine writing the script."""
+
+
+def cluster_dataset_info(data: DataConfig) -> DatasetInfo:
+    """What :func:`vitrain.data.sources.describe_source` would say of ``data`` on the cluster, without
+    reading it (data.root is a path there). imagefolder and webdataset: ImageNet-1k's shape (1,281,167
+    training and 50,000 evaluation images, 1000 classes, 3 channels, ImageNet mean/std): the config names
+    no class count, and a generous training set means a batch is never refused for a small data set
+    here (the run itself checks the real counts); fashion-mnist: its 60,000/10,000 images, 10 classes,
+    1 channel; synthetic: the source itself (it reads no files). data.limit_train/limit_eval apply."""
+    from vitrain.config import DatasetInfo
+    from vitrain.data.sources import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD, describe_source
+
+    if data.name == "synthetic":
+        return describe_source(data)
+    if data.name == "fashion-mnist":
+        sizes = (FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+    else:
+        sizes = (IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES, 3, IMAGENET_MEAN, IMAGENET_STD)
+    num_train, num_eval, num_classes, channels, mean, std = sizes
+    return DatasetInfo(
+        num_train=min(num_train, data.limit_train or num_train),
+        num_eval=min(num_eval, data.limit_eval or num_eval),
+        num_classes=num_classes,
+        channels=channels,
+        mean=mean,
+        std=std,
+    )
+
+
+def _stand_in_kind(key: str, value: object) -> str | None:
+    """``file`` or ``folder``: what stands in for the cluster path ``key=value``; None where ``value`` is no
+    path (timm:NAME, a teacher's timm name: no separator, no weights suffix) or resolve reads no file
+    (data.root: only its form, which stays)."""
+    from vitrain.models.sources import TIMM_PREFIX, WEIGHTS_SUFFIXES
+
+    text = str(value)
+    if key == "data.root" or text.startswith(TIMM_PREFIX):
+        return None
+    if key == "data.token_labels":
+        return "folder"
+    if key == "train.teacher":
+        if Path(text).suffix in WEIGHTS_SUFFIXES:
+            return "file"
+        return "folder" if "/" in text else None
+    return "file"
+
+
+@contextlib.contextmanager
+def _cluster_paths_stood_in(config: Config) -> Iterator[tuple[Config, dict[str, str]]]:
+    """A copy of ``config`` whose cluster paths (:data:`CLUSTER_PATHS`) name stand-ins in a temporary
+    folder, each a file or folder of the same name (so its suffix, and with it its kind, is kept), and the
+    stand-ins' text -> the values given."""
+    config = config.model_copy(deep=True)
+    given: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="vitrain-slurm-") as folder:
+        for index, key in enumerate(CLUSTER_PATHS):
+            section, name = key.split(".")
+            value = getattr(getattr(config, section), name)
+            kind = None if value is None else _stand_in_kind(key, value)
+            if kind is None:
+                continue
+            stand_in = Path(folder, str(index), Path(str(value)).name or "stand-in")
+            stand_in.parent.mkdir()
+            if kind == "folder":
+                stand_in.mkdir()
+            else:
+                stand_in.touch()
+            setattr(getattr(config, section), name, str(stand_in))
+            given[str(stand_in)] = str(value)
+        yield config, given
+
+
+def check_train_config(config: Config, processes: int) -> Plan:
+    """``resolve()`` of ``config`` as a job of ``processes`` CUDA processes (bf16-capable GPUs) will run
+    it, raising its ConfigError: the model and its options, batches that split over the processes, the run's
+    length, curriculum, parallel strategy with precision, distillation and token-labeling keys. The data is
+    taken to have the shape of :func:`cluster_dataset_info`, and the files of :data:`CLUSTER_PATHS` to
+    exist (their form is still checked: a timm teacher needs train.teacher_weights, init weights need a
+    weights suffix). The plan is for checking only (the precision unmeasured)."""
+    from vitrain.config import ConfigError, Hardware, World, resolve
+
+    hardware = Hardware(cuda_available=True, bf16_supported=True)
+    with _cluster_paths_stood_in(config) as (stood_in, given):
+        try:
+            return resolve(stood_in, cluster_dataset_info(config.data), hardware, world=World(size=processes))
+        except ConfigError as error:
+            message = str(error)
+            for stand_in, value in given.items():
+                message = message.replace(stand_in, value)
+            raise ConfigError(message) from None
 
 
 # --- srun without torchrun: the rendezvous ---------------------------------------------------------
