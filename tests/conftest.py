@@ -81,13 +81,14 @@ def tiny_imagefolder(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def kernels_mode_restored():
-    """Every in-process training run sets the fused CPU kernels' mode for the process
-    (``train.cpu_kernels``); put it back after each test, so no test sees the mode another one left."""
+    """Every in-process training run sets the fused CPU kernels' mode for the process (``train.cpu_kernels``,
+    ``native`` wherever they cannot apply, as in fp32): each test starts from the default, ``auto``, and
+    leaves it so, whatever a test or a module's fixture (a run trained once for a module) set before."""
     from vitrain.kernels import build
 
-    mode = build.current_mode()
+    build.set_mode("auto")
     yield
-    build.set_mode(mode)
+    build.set_mode("auto")
 
 
 @pytest.fixture
@@ -104,6 +105,14 @@ def one_thread():
 
 def make_config(*overrides: str, base: Config | None = None) -> Config:
     return build_config(base or Config(), [], list(overrides))
+
+
+def pinned_bf16_o2() -> list[str]:
+    """bf16 O2 with the fused CPU kernels where they build here, else PyTorch's ops, pinned: two runs compared
+    bit for bit must compute alike, and ``train.cpu_kernels=auto`` measures and may choose either for each."""
+    from vitrain import kernels
+
+    return ["precision=bf16", "precision_mode=o2", f"train.cpu_kernels={'fused' if kernels.load() else 'native'}"]
 
 
 SMALL_SYNTHETIC_RUN = [

@@ -488,7 +488,7 @@ def command_train(args: argparse.Namespace) -> int:
 
     config = load_config(get_recipe(args.recipe), args)
     with processes(config) as world:
-        summary = train(make_plan(config, world), resume=args.resume)
+        summary = train(make_plan(config, world, measure=False), resume=args.resume)  # measures after its checks
     _print_result(summary, world)
     return 0
 
@@ -501,7 +501,7 @@ def command_finetune(args: argparse.Namespace) -> int:
     config = load_config(_finetune_base(args), args)
     config.train.init_from = str(args.init_from)
     with processes(config) as world:
-        summary = train(make_plan(config, world))
+        summary = train(make_plan(config, world, measure=False))  # measures after its checks
     _print_result(summary, world)
     return 0
 
@@ -546,7 +546,7 @@ def command_eval(args: argparse.Namespace) -> int:
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     weights, info = read_checkpoint_model(args.checkpoint, args.weights)
-    plan = make_plan(checkpoint_config(info["config"], args.config, args.overrides))
+    plan = make_plan(checkpoint_config(info["config"], args.config, args.overrides, info.get("plan")), measure=False)
     model = build_model_for(plan)
     model.load_state_dict(weights)
     _, eval_loader = build_loaders(plan.data)
@@ -601,8 +601,22 @@ def command_predict(args: argparse.Namespace) -> int:
 def command_show_config(args: argparse.Namespace) -> int:
     config = load_config(get_recipe(args.recipe), args)
     print(config_to_yaml(config), end="")
+    print(measured_comment(config))
     print(batch_comment(config, args.processes or World.from_env().size))
     return 0
+
+
+def measured_comment(config: Config) -> str:
+    """YAML comments: what the config's ``auto`` precision, mode and CPU kernels measure on this machine (cached
+    after the first time), or why they could not be measured here."""
+    try:
+        plan = make_plan(config)
+    except ConfigError as error:
+        return f"# auto settings not measured here: {error}"
+    policy = plan.precision
+    if plan.measured is None:
+        return f"# computes in {policy.dtype} ({policy.mode}) on {plan.device}, CPU kernels {plan.runtime.cpu_kernels}"
+    return f"# measured on {plan.device}: {plan.measured.describe()}"
 
 
 def batch_comment(config: Config, processes: int) -> str:

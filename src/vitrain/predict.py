@@ -67,15 +67,27 @@ OutputStyle = Literal["table", "json", "csv"]
 # --- the checkpoint ------------------------------------------------------------------------------
 
 
-def checkpoint_config(saved: dict[str, Any], yaml_files: Sequence[Path] = (), overrides: Sequence[str] = ()) -> Config:
+def checkpoint_config(
+    saved: dict[str, Any],
+    yaml_files: Sequence[Path] = (),
+    overrides: Sequence[str] = (),
+    recorded: dict[str, Any] | None = None,
+) -> Config:
     """A checkpoint's saved config, YAML files and ``--set`` overrides applied, for using its model in one
     process: whatever sharded the training run, and without the distillation teacher, the token-label maps
     and the initial checkpoint it trained from (they may be gone); an SDPA kernel the training run pinned
-    (``model.attn_impl=sdpa_cudnn``, ...) becomes torch's choice (``sdpa``) unless ``overrides`` pin one."""
+    (``model.attn_impl=sdpa_cudnn``, ...) becomes torch's choice (``sdpa``) unless ``overrides`` pin one.
+    ``recorded``: the checkpoint's plan record, whose precision and mode (what the run's ``auto`` measured)
+    replace ``auto`` unless ``overrides`` set them."""
     from vitrain.config.resolve import TOKEN_LABEL_KEYS
     from vitrain.models.layers import SDPA_BACKENDS
 
     base = Config.model_validate(saved)
+    recorded = recorded or {}
+    if base.precision == "auto" and recorded.get("precision"):
+        base.precision = recorded["precision"]
+    if base.precision_mode == "auto":
+        base.precision_mode = recorded.get("precision_mode") or "autocast"
     if base.model.attn_impl in SDPA_BACKENDS:  # pinned for the training device; this one may lack the kernel
         base.model.attn_impl = "sdpa"
     config = build_config(base, list(yaml_files), list(overrides))
@@ -157,7 +169,7 @@ def load_trained_model(
     from vitrain.train import build_model_for
 
     state, info = read_checkpoint_model(resolve_checkpoint_argument(checkpoint), weights)
-    config = checkpoint_config(info.get("config", {}), yaml_files, overrides)
+    config = checkpoint_config(info.get("config", {}), yaml_files, overrides, info.get("plan"))
     plan = checkpoint_plan(config, info, state)
     model = build_model_for(plan)
     model.load_state_dict(state)

@@ -87,10 +87,16 @@ def test_precision_policy_tracks_fp32(policy):
     assert relative_error(grads, grads_ref) < grad_tol
 
 
-def test_auto_precision_picks_bf16_on_a_bf16_gpu():
-    plan = make_plan(make_config(*cuda_overrides("precision=auto")))
-    expected = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    assert plan.precision.dtype == expected
+def test_auto_precision_measures_fp32_and_bf16_on_the_gpu_and_takes_the_faster(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    plan = make_plan(make_config(*cuda_overrides("precision=auto", "precision_mode=auto")))
+    measured = plan.measured
+    if not torch.cuda.is_bf16_supported():
+        assert measured is None and plan.precision.dtype == "fp32"  # fp16 is never chosen for the user
+        return
+    assert set(measured.img_s) == {"fp32", "bf16 autocast", "bf16 o2"}
+    assert measured.chosen == max(measured.img_s, key=measured.img_s.get)
+    assert (plan.precision.dtype, plan.precision.mode) == (measured.precision, measured.mode)
 
 
 # Each fused kernel (flash, memory-efficient, cuDNN) against the math kernel on fp64 inputs rounded to

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_config
+from tests.conftest import make_config, pinned_bf16_o2
 from vitrain.checkpoint import load_checkpoint
 from vitrain.config import ConfigError
 from vitrain.models import build_model
@@ -57,7 +57,7 @@ def test_blocks_with_batchnorm_are_refused(name):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-o2"])
 def test_training_with_checkpointing_ends_at_the_same_weights(small_synthetic_overrides, tmp_path, precision):
-    extra = ["precision=bf16", "precision_mode=o2"] if precision == "bf16-o2" else []
+    extra = pinned_bf16_o2() if precision == "bf16-o2" else []
     common = [*small_synthetic_overrides, *extra, "model.drop_path_rate=0.1", "train.steps=6"]
     plain = make_plan(make_config(*common, f"train.out_dir={tmp_path / 'plain'}"))
     checkpointed = make_plan(

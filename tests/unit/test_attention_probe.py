@@ -49,7 +49,7 @@ def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch
     assert attention_probe.choose_attention(model, images, 64, O2) == {(17, 192, 3): "matmul"}
     assert attention_probe.attention_impl(model) == "matmul"
     assert sorted(impl for impl, *_ in timed) == ["matmul", "sdpa"] and timed[0][1:] == ((17, 192, 3), 64, "bf16", "o2")
-    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    (entry,) = json.loads((cache_dir / "measured.json").read_text()).values()
     assert entry == {"impl": "matmul", "sdpa_ms": 2.0, "matmul_ms": 1.0}
 
     def refuse(*args):
@@ -66,7 +66,7 @@ def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch
 def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, small_synthetic_overrides):
     plan = make_plan(make_config(*small_synthetic_overrides, "model.attn_impl=auto"))
     model = build_model_for(plan)
-    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    (entry,) = json.loads((cache_dir / "measured.json").read_text()).values()
     assert entry["impl"] in attention_probe.IMPLEMENTATIONS and entry["sdpa_ms"] > 0 and entry["matmul_ms"] > 0
     assert attention_probe.attention_impl(model) == entry["impl"]
     assert model(torch.randn(2, plan.model.in_chans, 14, 14)).shape == (2, plan.model.num_classes)
@@ -94,12 +94,12 @@ def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_
         return milliseconds[impl] / 1e3
 
     monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
-    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+    monkeypatch.setattr(attention_probe, "device_key", lambda device: "a GPU")
     model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
     assert attention_probe.choose_attention(model, images, 64, policy) == {(17, 192, 3): "sdpa_cudnn"}
     assert attention_probe.attention_impl(model) == "sdpa_cudnn"
     assert {m.core.backend for m in model.modules() if isinstance(m, attention_probe.Attention)} == {"sdpa_cudnn"}
-    (entry,) = json.loads((cache_dir / "attention.json").read_text()).values()
+    (entry,) = json.loads((cache_dir / "measured.json").read_text()).values()
     assert entry["unavailable"] == {"sdpa_efficient": "No available kernel. Aborting execution."}
     assert {key for key in entry if key.endswith("_ms")} == {f"{impl}_ms" for impl in milliseconds}
 
@@ -109,10 +109,10 @@ def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_
 
 def test_a_cached_entry_without_the_cuda_candidates_is_measured_again(cache_dir, monkeypatch):
     policy = precision_policy("bf16", "o2", "cuda")
-    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+    monkeypatch.setattr(attention_probe, "device_key", lambda device: "a GPU")
     key = attention_probe._key((17, 192, 3), 64, policy)
     cache_dir.mkdir()  # as the probe wrote it before the pinned kernels were candidates
-    (cache_dir / "attention.json").write_text(json.dumps({key: {"impl": "sdpa", "sdpa_ms": 1.0, "matmul_ms": 2.0}}))
+    (cache_dir / "measured.json").write_text(json.dumps({key: {"impl": "sdpa", "sdpa_ms": 1.0, "matmul_ms": 2.0}}))
     timed = []
     monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: timed.append(impl) or 1.0)
     attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
@@ -172,7 +172,7 @@ def test_eval_and_predict_take_torchs_choice_for_a_kernel_the_training_run_pinne
 def test_a_pinned_kernel_failing_otherwise_than_by_refusing_the_shape_fails_the_probe(cache_dir, monkeypatch):
     """Out of memory (or a CUDA fault) is no property of the kernel to cache: it is raised."""
     policy = precision_policy("bf16", "o2", "cuda")
-    monkeypatch.setattr(attention_probe, "run_environment", lambda device: {"device_name": "a GPU"})
+    monkeypatch.setattr(attention_probe, "device_key", lambda device: "a GPU")
 
     def timing(impl, *args):
         if impl == "sdpa_cudnn":
@@ -182,4 +182,4 @@ def test_a_pinned_kernel_failing_otherwise_than_by_refusing_the_shape_fails_the_
     monkeypatch.setattr(attention_probe, "time_attention", timing)
     with pytest.raises(torch.OutOfMemoryError):
         attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
-    assert not (cache_dir / "attention.json").exists()
+    assert not (cache_dir / "measured.json").exists()

@@ -90,3 +90,20 @@ def test_mfu_is_none_when_the_peak_is_unknown(small_synthetic_overrides, step_cl
     _, summary, records = _run([*small_synthetic_overrides, "train.epochs=1"], step_clock)
     assert records and all(record["mfu"] is None and record["tflops"] > 0 for record in records)
     assert summary["mean_mfu"] is None and summary["mean_tflops"] > 0
+
+
+@pytest.mark.parametrize(
+    ("fp32", "bf16", "best"),
+    [(0.119, 0.031, "fp32"), (0.2, 0.9, "bf16")],
+    ids=["emulated-bf16", "native-bf16"],
+)
+def test_mfu_on_a_cpu_divides_by_the_best_precision_it_trains_in(monkeypatch, fp32, bf16, best):
+    """An Ice Lake Xeon emulates bf16 at a quarter of its fp32 speed: a bf16 run there must not be measured
+    against the emulated bf16 peak (it showed MFU 0.63 while running at a quarter of the machine's speed)."""
+    from vitrain.metrics import peak
+
+    measured = {"fp32": fp32, "bf16": bf16}
+    monkeypatch.setattr(peak, "measure_cpu_peak", lambda precision: PeakFlops(measured[precision], precision))
+    for precision in ("fp32", "bf16"):
+        chosen = peak.peak_flops("cpu", precision)
+        assert chosen.tflops == measured[best] and f", {best} (" in chosen.source, chosen.source

@@ -217,7 +217,7 @@ def test_recipe_resolves_to_its_batch_and_lr(name, teacher_weights):
     config = get_recipe(name)
     if config.train.teacher is not None:
         config.train.teacher_weights = teacher_weights
-    plan = make_plan(make_config("data.name=synthetic", base=config))
+    plan = make_plan(make_config("data.name=synthetic", base=config), measure=False)  # the plan, not its speed
     assert plan.batch.global_batch == config.train.batch_size
     assert plan.schedule.lr == pytest.approx(config.optim.lr * config.train.batch_size / config.optim.reference_batch)
 
@@ -225,15 +225,16 @@ def test_recipe_resolves_to_its_batch_and_lr(name, teacher_weights):
 @pytest.mark.parametrize("name", [name for name in sorted(EXPECTED) if "distilled" in name])
 def test_distilled_recipe_asks_for_the_teacher_weights(name, teacher_weights):
     with pytest.raises(ConfigError, match="--set train.teacher_weights=PATH"):
-        make_plan(make_config("data.name=synthetic", base=get_recipe(name)))
+        make_plan(make_config("data.name=synthetic", base=get_recipe(name)), measure=False)
     plan = make_plan(
-        make_config("data.name=synthetic", f"train.teacher_weights={teacher_weights}", base=get_recipe(name))
+        make_config("data.name=synthetic", f"train.teacher_weights={teacher_weights}", base=get_recipe(name)),
+        measure=False,
     )
     assert (plan.step.distill.kind, plan.step.distill.teacher) == ("hard", "regnety_160")
 
 
 def test_deit_peak_lr_is_1e_3_at_batch_1024():
-    plan = make_plan(make_config("data.name=synthetic", base=get_recipe("deit_s_300ep")))
+    plan = make_plan(make_config("data.name=synthetic", base=get_recipe("deit_s_300ep")), measure=False)
     assert plan.schedule.lr == pytest.approx(1e-3)  # 5e-4 x 1024 / 512, DeiT's linear scaling
 
 

@@ -29,8 +29,6 @@ from torch.profiler import ProfilerActivity, profile
 from vitrain.bench.breakdown import format_breakdown, profile_breakdown
 from vitrain.bench.memory import PeakMemory
 from vitrain.config import ConfigError, Plan
-from vitrain.data import Normalize
-from vitrain.data.loader import derive_seed
 from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
 from vitrain.metrics.utilization import achieved_tflops, training_flops, utilization
@@ -40,6 +38,7 @@ from vitrain.parallel.parallelize import compile_mode_argument
 from vitrain.train.attention_probe import attention_impl
 from vitrain.train.build import build_training_step
 from vitrain.train.summary import describe_precision
+from vitrain.train.timing import synchronize, synthetic_batch
 
 log = logging.getLogger("vitrain")
 
@@ -103,24 +102,6 @@ def bench_overrides(
     return overrides
 
 
-def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random uint8 images of the plan's shape (this process's share of the global batch), normalized
-    on the device, and random labels."""
-    generator = torch.Generator().manual_seed(seed if plan.world.size == 1 else derive_seed(seed, plan.world.data_rank))
-    model, batch = plan.model, plan.batch.per_process(plan.batch.global_batch)
-    images = torch.randint(0, 256, (batch, model.in_chans, model.image_size, model.image_size), generator=generator)
-    labels = torch.randint(0, model.num_classes, (batch,), generator=generator)
-    normalize = Normalize(plan.data.mean, plan.data.std, plan.device, plan.runtime.channels_last)
-    return normalize(images.to(torch.uint8).to(plan.device)), labels.to(plan.device)
-
-
-def _synchronize(device: str, loss: torch.Tensor) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    else:
-        loss.item()
-
-
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Seconds of the warm-up, of its first step (compilation included) and of each timed window."""
@@ -140,17 +121,17 @@ def time_training_steps(
     for index in range(settings.warmup):
         loss, _ = step(images, labels)
         if index == 0:
-            _synchronize(device, loss)
+            synchronize(device, loss)
             first_step_s = time.perf_counter() - started
     if settings.warmup:
-        _synchronize(device, loss)
+        synchronize(device, loss)
     warmup_s = time.perf_counter() - started
     windows = []
     for _ in range(settings.repeats):
         started = time.perf_counter()
         for _ in range(settings.steps):
             loss, _ = step(images, labels)
-        _synchronize(device, loss)
+        synchronize(device, loss)
         windows.append(time.perf_counter() - started)
     return StepTimes(warmup_s, first_step_s, tuple(windows), loss.item())
 
@@ -295,7 +276,7 @@ def breakdown_record(
         started = time.perf_counter()
         for _ in range(settings.profile):
             loss, _ = step(images, labels)
-        _synchronize(device, loss)
+        synchronize(device, loss)
         profiled_s = time.perf_counter() - started
     flops = record["train_flops_per_step"]
     return {"step_breakdown": profile_breakdown(prof, settings.profile, profiled_s, flops, cuda)}

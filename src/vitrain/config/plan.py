@@ -382,6 +382,37 @@ class LogPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeasuredPrecision:
+    """What ``precision=auto``, ``precision_mode=auto`` and ``train.cpu_kernels=auto`` chose by timing the run's
+    own training step on this machine (:mod:`vitrain.train.precision_choice`); a fact ``resolve()`` is given."""
+
+    precision: Literal["fp32", "bf16", "fp16"]
+    mode: Literal["autocast", "o2", "full"]
+    cpu_kernels: Literal["auto", "native"]
+    """auto: the fused CPU kernels were faster (or cannot apply); native: PyTorch's ops were."""
+    img_s: dict[str, float]
+    """Each measured candidate's training img/s (``bf16 o2 + fused kernels``: its label)."""
+    chosen: str
+    """The label of the fastest candidate."""
+    batch: int
+    """Images per step of the measurement (the run's per-process batch, or less where a step took seconds)."""
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Candidates not measured, and why (cannot run here, or cannot win)."""
+    cached: bool = False
+    """The figures came from the cache of an earlier measurement of the same key."""
+
+    def describe(self) -> str:
+        """``bf16 o2 + fused kernels (img/s at batch 256: fp32 610, ...; cached)``."""
+        rates = ", ".join(f"{label} {rate:.0f}" for label, rate in self.img_s.items())
+        skipped = "".join(f"; {label}: {why}" for label, why in self.skipped.items())
+        return f"{self.chosen} (img/s at batch {self.batch}: {rates}{skipped}{'; cached' if self.cached else ''})"
+
+    def record(self) -> dict[str, Any]:
+        """The summary's and show-config's fields."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved run: its parts and the config it came from. Immutable."""
 
@@ -407,3 +438,5 @@ class Plan:
     """The weight EMA (off by default)."""
     log: LogPlan = LogPlan()
     """The metric sinks besides metrics.jsonl (none by default)."""
+    measured: MeasuredPrecision | None = None
+    """The measured choice behind an ``auto`` precision, mode or CPU kernels setting (None: none was made)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from vitrain import torch_at_least
 from vitrain.config import plan as parts
-from vitrain.config.plan import Plan, Stage, World
+from vitrain.config.plan import MeasuredPrecision, Plan, Stage, World
 from vitrain.config.schema import Config, ConfigError, ModelConfig
 
 if TYPE_CHECKING:
@@ -149,18 +149,47 @@ def _resolve_device(requested: str, cuda_available: bool) -> str:
 
 
 def auto_precision(hardware: Hardware) -> str:
-    """What ``precision=auto`` picks: bf16 where the device computes it natively, else fp32."""
+    """``precision=auto`` where nothing was measured (``resolve()`` called without :class:`MeasuredPrecision`):
+    bf16 where the device computes it natively, else fp32. Runs measure instead (``make_plan``)."""
     return "bf16" if hardware.bf16_supported else "fp32"
 
 
-def _resolve_precision(requested: str, hardware: Hardware) -> str:
+def _resolve_precision(config: Config, hardware: Hardware, measured: MeasuredPrecision | None) -> tuple[str, str]:
+    """(precision, precision_mode) of the run: ``auto`` takes the measured choice (unmeasured: see
+    :func:`auto_precision`; the mode autocast); an explicit precision or mode is never overridden."""
+    requested, mode = config.precision, config.precision_mode
     if requested == "auto":
-        return auto_precision(hardware)
-    _require(
-        requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
-        "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
-    )
-    return requested
+        precision = measured.precision if measured is not None else auto_precision(hardware)
+    else:
+        _require(
+            requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
+            "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
+        )
+        precision = requested
+    if precision == "fp32":
+        return precision, "autocast"  # every mode computes alike in fp32
+    if mode == "auto":
+        mode = measured.mode if measured is not None and measured.precision == precision else "autocast"
+    return precision, mode
+
+
+def kernels_can_apply(device: str, precision: str, mode: str, amx_tiles: bool) -> bool:
+    """Whether the fused CPU kernels change how a run computes: bf16 on a CPU, outside autocast (O2, full), or
+    under autocast where the attention kernel's AMX tiles run (``vitrain.kernels``)."""
+    return device == "cpu" and precision == "bf16" and (mode != "autocast" or amx_tiles)
+
+
+def _resolve_cpu_kernels(
+    config: Config, device: str, precision: str, mode: str, hardware: Hardware, measured: MeasuredPrecision | None
+) -> str:
+    """``train.cpu_kernels`` of the run: ``auto`` takes the measured choice, and ``native`` where the kernels
+    cannot apply (so nothing is built for a path that does not run them)."""
+    requested = config.train.cpu_kernels
+    if requested != "auto":
+        return requested
+    if not kernels_can_apply(device, precision, mode, hardware.amx_tiles):
+        return "native"
+    return measured.cpu_kernels if measured is not None else "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +198,12 @@ class Hardware:
 
     cuda_available: bool
     bf16_supported: bool
-    """The device computes bf16 natively (CPU: AVX512-bf16 or AMX; CUDA: compute capability 8+)."""
+    """The device computes bf16 natively (CPU: AVX512-BF16 or AMX-BF16 that oneDNN may use; CUDA: compute
+    capability 8+)."""
     bf16_emulated: bool = False
-    """bf16 still runs, converted in software (any CPU): allowed when asked for, never chosen by auto."""
+    """bf16 still runs, converted in software (any CPU): allowed when asked for or measured faster."""
+    amx_tiles: bool = False
+    """The CPU has AMX-BF16 tiles vitrain's kernels may use (``VITRAIN_AMX`` not off)."""
 
     @classmethod
     def detect(cls, device: str = "auto") -> Hardware:
@@ -187,7 +219,12 @@ class Hardware:
             cpu_features.amx_allowed()  # a bad VITRAIN_AMX fails here, before any work
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        return cls(cuda_available=cuda, bf16_supported=cpu_features.cpu_bf16_native(), bf16_emulated=True)
+        return cls(
+            cuda_available=cuda,
+            bf16_supported=cpu_features.cpu_bf16_native(),
+            bf16_emulated=True,
+            amx_tiles=cpu_features.amx_tiles_possible(),
+        )
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
@@ -340,7 +377,7 @@ def _check_torch_runs(strategy: str) -> None:
     )
 
 
-def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) -> tuple[World, str]:
+def _resolve_parallel(config: Config, world: World, precision: str, mode: str, cuda: bool) -> tuple[World, str]:
     """The world with its tensor-parallel degree, and the checkpoint format; every unsupported combination
     of strategy, model, precision and process count is refused here, naming the key."""
     parallel = config.parallel
@@ -379,12 +416,12 @@ def _resolve_parallel(config: Config, world: World, precision: str, cuda: bool) 
             "supported; use precision=bf16 (no loss scaling needed) or parallel.strategy=ddp",
         )
         _require(
-            config.precision_mode != "full" or precision == "fp32",
+            mode != "full" or precision == "fp32",
             f"parallel.strategy={strategy} with precision_mode=full is not supported; use precision_mode=o2 "
             "(FSDP: its mixed-precision policy) or autocast",
         )
         _require(
-            config.precision_mode != "o2" or precision == "fp32" or "fsdp" in strategy,
+            mode != "o2" or precision == "fp32" or "fsdp" in strategy,
             "parallel.strategy=tp with precision_mode=o2 is not supported; use autocast, or fsdp+tp (FSDP's "
             "mixed-precision policy is O2)",
         )
@@ -416,7 +453,7 @@ def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...],
         )
 
 
-def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str) -> None:
+def _check_inputs(config: Config, data: DatasetInfo, precision: str, mode: str, device: str) -> None:
     """Cross-field checks that no single field's validator can make: normalization against the
     data's channels, keys the source ignores, fp16 Adam epsilon, the init checkpoint's existence."""
     for key in ("mean", "std"):
@@ -437,7 +474,7 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, device: str
         "data.root is not used by data.name=synthetic; remove it",
     )
     _require(
-        not (precision == "fp16" and config.precision_mode == "full" and config.optim.name in ("adamw", "muon"))
+        not (precision == "fp16" and mode == "full" and config.optim.name in ("adamw", "muon"))
         or config.optim.eps >= FP16_MIN_ADAM_EPS,
         f"optim.eps={config.optim.eps:g} with fp16 weights (precision_mode=full): Adam's second moment "
         f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "
@@ -938,7 +975,7 @@ def _token_label_plan(config: Config, num_classes: int, patch: int) -> parts.Tok
 
 
 def _training_parts(
-    config: Config, num_classes: int, patch: int
+    config: Config, num_classes: int, patch: int, cpu_kernels: str
 ) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     step = parts.StepPlan(
@@ -951,7 +988,7 @@ def _training_parts(
     return (
         step,
         parts.RuntimePlan(
-            host_allocator=train.host_allocator, cpu_kernels=train.cpu_kernels, channels_last=train.channels_last
+            host_allocator=train.host_allocator, cpu_kernels=cpu_kernels, channels_last=train.channels_last
         ),
         parts.LoopPlan(
             eval_every_epochs=train.eval_every_epochs,
@@ -965,33 +1002,59 @@ def _training_parts(
     )
 
 
+def _data_plan(
+    config: Config,
+    data: DatasetInfo,
+    device: str,
+    world: World,
+    batch: parts.BatchPlan,
+    mixing: parts.MixPlan | None,
+    crop_geometry: bool,
+) -> parts.DataPlan:
+    mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
+    return parts.DataPlan(
+        config.data, data.channels, mean, std, config.train.seed, device, world, batch, mixing, crop_geometry
+    )
+
+
+def _batch_plan(config: Config, world: World) -> parts.BatchPlan:
+    train = config.train
+    return parts.BatchPlan(
+        global_batch=train.batch_size,
+        eval_batch=train.eval_batch_size or 2 * train.batch_size,
+        micro_batch=train.micro_batch_size,
+        data_slices=world.data_size,
+    )
+
+
 def resolve(
-    config: Config, data: DatasetInfo, hardware: Hardware, now: str = "now", world: World | None = None
+    config: Config,
+    data: DatasetInfo,
+    hardware: Hardware,
+    now: str = "now",
+    world: World | None = None,
+    measured: MeasuredPrecision | None = None,
 ) -> Plan:
-    """Derive every number of the run from ``config``; raise ConfigError on any user mistake."""
+    """Derive every number of the run from ``config``; raise ConfigError on any user mistake. ``measured``:
+    what timing the run's step chose for its ``auto`` precision, mode and CPU kernels (``make_plan`` measures)."""
     world = world or World()
     patch = _resolve_patch_size(config)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
     device = _resolve_device(config.train.device, hardware.cuda_available)
     if world.size > 1 and device == "cuda":
         device = f"cuda:{world.local_rank}"  # one GPU per process
-    precision = _resolve_precision(config.precision, hardware)
-    _check_inputs(config, data, precision, device)
-    world, checkpoint_format = _resolve_parallel(config, world, precision, hardware.cuda_available)
+    precision, mode = _resolve_precision(config, hardware, measured)
+    _check_inputs(config, data, precision, mode, device)
+    world, checkpoint_format = _resolve_parallel(config, world, precision, mode, hardware.cuda_available)
     parallel = _parallel_plan(config, world, device)
     duration = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
     stages = _resolve_stages(config, patch, data.num_train)
-    batch = parts.BatchPlan(
-        global_batch=config.train.batch_size,
-        eval_batch=config.train.eval_batch_size or 2 * config.train.batch_size,
-        micro_batch=config.train.micro_batch_size,
-        data_slices=world.data_size,
-    )
+    batch = _batch_plan(config, world)
     _check_batches_split(batch.global_batch, batch.eval_batch, stages, world)
     lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
-    mean, std = tuple(config.data.mean or data.mean), tuple(config.data.std or data.std)
-    step, runtime, loop = _training_parts(config, data.num_classes, patch)
+    cpu_kernels = _resolve_cpu_kernels(config, device, precision, mode, hardware, measured)
+    step, runtime, loop = _training_parts(config, data.num_classes, patch, cpu_kernels)
     mixing = _mix_plan(config, data.num_classes, stages, batch)
     schedule = _schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages)
     return Plan(
@@ -1002,26 +1065,16 @@ def resolve(
         world=world,
         model=_model_plan(config, data, patch),
         batch=batch,
-        precision=precision_policy(precision, config.precision_mode, device, parallel.fsdp),
+        precision=precision_policy(precision, mode, device, parallel.fsdp),
         parallel=parallel,
         optim=_optimizer_plan(config, lr),
         schedule=schedule,
-        data=parts.DataPlan(
-            config.data,
-            data.channels,
-            mean,
-            std,
-            config.train.seed,
-            device,
-            world,
-            batch,
-            mixing=mixing,
-            crop_geometry=step.token_labels is not None,
-        ),
+        data=_data_plan(config, data, device, world, batch, mixing, crop_geometry=step.token_labels is not None),
         step=step,
         runtime=runtime,
         loop=loop,
         checkpoint=_checkpoint_plan(config, checkpoint_format),
         ema=_ema_plan(config, schedule.total_steps),
         log=_log_plan(config),
+        measured=measured,
     )

@@ -329,8 +329,10 @@ class TrainConfig(Section):
     CPU: 3.37 -> 2.43 s a step); system: the C library's defaults (memory handed back as freed)."""
     cpu_kernels: Literal["auto", "fused", "native"] = "auto"
     """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
-    gradient sums. auto: used where they apply if they compile (first use, cached; needs g++ and ninja);
-    fused: fail if they cannot be built; native: PyTorch's own ops (vitrain/kernels, docs/benchmarks.md)."""
+    gradient sums. auto: the run's step is timed with and without them and the faster is taken; they are
+    built (first use, cached; needs g++ and ninja) only where bf16 is within their reach of the fastest
+    candidate; fused: fail if they cannot be built; native: PyTorch's own ops (vitrain/kernels,
+    docs/benchmarks.md)."""
     compile: bool = False
     """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
     model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
@@ -492,14 +494,16 @@ class Config(BaseModel):
     recipe: str = "custom"
     """Name of the recipe this config came from."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Compute precision: autocast to bf16/fp16 (fp16 with loss scaling); auto picks bf16 where the device
-    computes it natively (AVX512-bf16/AMX CPUs, CUDA compute capability 8+), else fp32. bf16 asked for on
-    a CPU without native support runs emulated (correct, slower than fp32)."""
-    precision_mode: Literal["autocast", "o2", "full"] = "autocast"
+    """Compute precision: fp32, or bf16/fp16 (fp16 with loss scaling). auto: the run's own training step is
+    timed in fp32 and in bf16 (where the device has bf16) before it starts, and the faster is taken (cached per
+    machine and model shape; vitrain.train.precision_choice). bf16 asked for on a CPU without native bf16
+    (AVX512-BF16 or AMX) runs emulated: correct, slower than fp32."""
+    precision_mode: Literal["auto", "autocast", "o2", "full"] = "autocast"
     """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
     weights are updated; full: weights, gradients and optimizer state all in bf16/fp16, no master copy
     (pycls's "full FP16": fastest and leanest, but updates smaller than the weights' precision are lost
-    and can cost accuracy; BatchNorm stays fp32). No effect at fp32."""
+    and can cost accuracy; BatchNorm stays fp32); auto: autocast and o2 both timed, the faster taken. No
+    effect at fp32."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()

@@ -3,11 +3,11 @@ the fused CPU kernels and the thread count."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import platform
 import shutil
 import sys
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,21 +24,8 @@ PROBE_SIZE, PROBE_SECONDS, PROBE_TRIALS = 2048, 0.3, 3
 ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (Linux), empty elsewhere."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
 def check_model(context: Context) -> list[Check]:
-    name = _cpuinfo().get("model name") or platform.processor() or platform.machine()
+    name = cpu_features.cpu_model()
     logical = os.cpu_count() or 1
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
     return [
@@ -54,7 +41,7 @@ def check_model(context: Context) -> list[Check]:
 
 
 def check_isa(context: Context) -> list[Check]:
-    flags = set(_cpuinfo().get("flags", "").split())
+    flags = cpu_features.cpu_flags() or set()
     found = [label for flag, label in ISA_FLAGS.items() if flag in flags]
     capability = torch.backends.cpu.get_cpu_capability()
     value = f"{' '.join(found) or 'none of AVX2/AVX512/AMX'} (torch kernels: {capability})"
@@ -75,28 +62,56 @@ def check_matmul(context: Context) -> list[Check]:
 
 
 def check_bf16(context: Context) -> list[Check]:
-    from vitrain.config.resolve import Hardware, auto_precision, precision_policy
-
     native = cpu_features.cpu_bf16_native()
-    checks = [
-        Check(SECTION, "bf16", "PASS", "native (oneDNN: AVX512-BF16 or AMX)", data={"native": True})
-        if native
-        else Check(
-            SECTION,
-            "bf16",
-            "WARN",
-            "emulated: bf16 runs converted in software, many times slower than fp32",
-            "train in fp32 on this CPU (precision=auto does), or use a CPU with AVX512-BF16/AMX",
-            {"native": False},
-        )
-    ]
-    picked = auto_precision(Hardware.detect("cpu"))
-    mode = context.config.precision_mode if picked != "fp32" else "autocast"
-    policy = precision_policy(picked, mode, "cpu")
-    value = f"{picked}" + (f" ({policy.mode}, weights {policy.weights})" if picked != "fp32" else "")
-    data = {"precision": picked, "mode": policy.mode, "weights": policy.weights}
-    checks.append(Check(SECTION, "precision=auto", "PASS", value, data=data))
-    return checks
+    if native:
+        return [Check(SECTION, "bf16", "PASS", cpu_features.bf16_state(), data={"native": True})]
+    fix = "train in fp32 on this CPU (precision=auto does where it measures faster), or use a CPU with AVX512-BF16/AMX"
+    return [Check(SECTION, "bf16", "WARN", cpu_features.bf16_state(), fix, {"native": False})]
+
+
+def _probe_data(config) -> tuple[Any, str]:
+    """The recipe's dataset description, or where its data is missing (the environment lines say so) one of
+    the shape its source would have: the probe times the model, not the data."""
+    from vitrain.config import ConfigError, DatasetInfo
+    from vitrain.data import describe_source
+
+    try:
+        return describe_source(config.data), ""
+    except ConfigError:
+        grayscale = config.data.name == "fashion-mnist"
+        classes = 10 if grayscale else config.data.synthetic_num_classes
+        batch = config.train.batch_size
+        info = DatasetInfo(batch * 4, batch, classes, 1 if grayscale else 3, (0.5,), (0.25,))
+        if not grayscale:
+            info = dataclasses.replace(info, mean=(0.5,) * 3, std=(0.25,) * 3)
+        return info, " (its data not found: the model timed at its shape)"
+
+
+def check_auto_precision(context: Context) -> list[Check]:
+    """What ``precision=auto`` (and ``precision_mode``/``train.cpu_kernels`` auto) choose for the recipe's
+    model on this CPU, by timing its step as a run does (cached; fused kernels not built yet are left out)."""
+    from vitrain.config import Hardware, precision_policy
+    from vitrain.train.precision_choice import measure_precision
+
+    if context.device == "cuda":
+        return []
+    config = context.config.model_copy(deep=True)
+    config.train.device = "cpu"
+    info, note = _probe_data(config)
+    measured = measure_precision(config, info, Hardware.detect("cpu"), may_build=False)
+    if measured is None:
+        picked = config.precision if config.precision != "auto" else "fp32"
+        return [Check(SECTION, "precision=auto", "PASS", f"{picked} (nothing to choose: one candidate)")]
+    policy = precision_policy(measured.precision, measured.mode, "cpu")
+    data = {
+        "precision": measured.precision,
+        "mode": policy.mode,
+        "weights": policy.weights,
+        "cpu_kernels": measured.cpu_kernels,
+        "model": config.model.name,
+        **measured.record(),
+    }
+    return [Check(SECTION, "precision=auto", "PASS", f"{config.model.name}: {measured.describe()}{note}", data=data)]
 
 
 def _compiler() -> str | None:
@@ -159,4 +174,4 @@ def check_threads(context: Context) -> list[Check]:
     return [Check(SECTION, "threads", "PASS", value, data=data)]
 
 
-CHECKS = [check_model, check_isa, check_matmul, check_bf16, check_kernels, check_threads]
+CHECKS = [check_model, check_isa, check_matmul, check_bf16, check_auto_precision, check_kernels, check_threads]

@@ -5,7 +5,8 @@ dense tensor-core throughput; datasheets print the 2:4-sparsity figure (marked w
 asterisk), which is twice the dense one. fp32 training uses the TF32 tensor-core figure only
 when torch lets matmuls use TF32 (``torch.set_float32_matmul_precision("high")``), otherwise the
 plain fp32 figure. CPUs have no table: a matmul probe measures the peak once per process
-(per dtype, size and thread count).
+(per dtype, size and thread count), and MFU on a CPU divides by the best of the precisions it trains in
+(:func:`cpu_best_peak`), so a run in the slower one shows the share of the machine it leaves unused.
 """
 
 from __future__ import annotations
@@ -190,15 +191,35 @@ def measure_cpu_peak(precision: str, size: int = 2048, seconds: float = 0.5, tri
     return PeakFlops(tflops, f"measured: CPU matmul probe {size}x{size} {precision}, {num_threads} thread(s)")
 
 
+CPU_TRAINING_PRECISIONS = ("fp32", "bf16")
+
+
+def cpu_best_peak() -> PeakFlops:
+    """The CPU's best measured matmul peak over the precisions vitrain trains in on it: bf16 where the CPU has
+    native bf16 (AVX512-BF16, AMX), fp32 where bf16 is emulated. A run in emulated bf16 thus shows the low MFU
+    it really has, and an fp32 run on a bf16 CPU the speed it leaves unused."""
+    peaks = {precision: measure_cpu_peak(precision) for precision in CPU_TRAINING_PRECISIONS}
+    best = max(peaks, key=lambda precision: peaks[precision].tflops or 0.0)
+    figures = ", ".join(f"{precision} {peak.tflops:.3g}" for precision, peak in peaks.items())
+    return PeakFlops(
+        peaks[best].tflops,
+        f"measured: the CPU's best matmul probe, {best} (TFLOP/s {figures}; 2048x2048, "
+        f"{torch.get_num_threads()} thread(s))",
+    )
+
+
 def peak_flops(device: str, precision: str) -> PeakFlops:
-    """Peak TFLOP/s of ``device`` (cpu, cuda, cuda:N) for ``precision``: datasheet on CUDA, probe on CPU."""
+    """MFU's denominator on ``device`` (cpu, cuda, cuda:N) for a run in ``precision``: the datasheet peak of the
+    precision on CUDA; on a CPU the best measured peak of any precision it trains in (:func:`cpu_best_peak`)."""
     if device.startswith("cuda"):
         return cuda_peak(torch.cuda.get_device_name(torch.device(device)), precision)
-    return measure_cpu_peak(precision)
+    return cpu_best_peak()
 
 
 __all__ = [
+    "CPU_TRAINING_PRECISIONS",
     "CUDA_PEAKS",
+    "cpu_best_peak",
     "GpuPeaks",
     "PeakFlops",
     "cuda_matmul_dtype",

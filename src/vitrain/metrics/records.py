@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from vitrain import cpu_features
+
 
 class JsonlWriter:
     """Appends one JSON object per line, flushed at once so a crash loses at most a line."""
@@ -82,6 +84,9 @@ def run_environment(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "git_revision": _git_revision(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_features.cpu_model(),
+        "cpu_bf16": cpu_features.bf16_state(),
+        "cpu_key": cpu_features.cpu_key(),
         "cpu_threads": torch.get_num_threads(),
     }
     if device.startswith("cuda"):

@@ -73,7 +73,7 @@ def localvit_s_24h_1gpu() -> Config:
 def nemo_vit_b16_224() -> Config:
     """NeMo's ViT-B/16 pretraining (NeMo's ViT documentation): 300 epochs at 224 px, batch 4096, Adam(W) (0.9, 0.999)
     lr 3e-3, cosine, weight decay 0.3, dropout 0.1. Fine-tune with nemo_vit_b16_ft_512."""
-    config = Config(precision="auto", precision_mode="o2")
+    config = Config(precision="auto", precision_mode="auto")
     config.model.name = "vit_base_patch16"
     config.model.drop_rate = 0.1
     config.model.attn_drop_rate = 0.0
@@ -117,7 +117,7 @@ def _volo(model: str, lr: float, drop_path: float, crop_pct: float) -> Config:
     weight decay 0.05, 300 epochs; CutOut and RandAug, no MixUp or CutMix (its setup notes). sail-sg/volo
     main.py's defaults give their values: --aa rand-m9-mstd0.5-inc1, and CutOut is timm's random erasing
     (--reprob 0.25, pixel mode), i.e. data.random_erase."""
-    config = Config(precision="auto", precision_mode="o2")
+    config = Config(precision="auto", precision_mode="auto")
     config.model.name = model
     config.model.drop_path_rate = drop_path
     config.data.name = "imagefolder"

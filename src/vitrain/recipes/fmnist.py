@@ -11,12 +11,13 @@ def fmnist() -> Config:
     """Default run: a 6-block LocalViT (width 192, FFN ratio 2: a locality ViT whose FFN is
     convolutional with BatchNorm and squeeze-excitation) with Xiao et al.'s convolutional stem (three
     3x3 stride-2 convolutions, so patch 8 and a 4x4 token grid at 32 px) on Fashion-MNIST resized to
-    32 px; bf16 "O2" where the CPU/GPU computes bf16 natively (else fp32); a 9-minute training budget
+    32 px; the precision (fp32, bf16 autocast or bf16 O2) and the fused CPU kernels that time the fastest step
+    on this machine (bf16 O2 with the kernels where bf16 is native); a 9-minute training budget
     so that `vitrain train` ends within 10 minutes on any 2-core machine; Muon on the blocks'
     matrices, AdamW on the rest. Measured (docs/benchmarks.md, docs/results.md) on an AVX2-only CPU in
     fp32 with a 10-minute budget: 92.34 ± 0.16 % over 3 seeds (92.47, 92.40, 92.16); the same model
     with the patchify stem at 32 px 91.24 %, the patch-7 LocalViT at 28 px 91.47 ± 0.06 % (2 seeds)."""
-    config = Config(precision="auto", precision_mode="o2")  # O2: +4 % step throughput over autocast
+    config = Config(precision="auto", precision_mode="auto")  # measured: fp32, bf16 autocast or O2
     config.model.name = "localvit_tiny6_convstem_patch8"  # conv stem: +1.2 pt over patchify, same seed
     config.model.head = "gap"  # +1.9 pt over CLS after 1 epoch (docs/results.md)
     config.model.mlp_ratio = 2.0  # 1.6x faster step: 9 epochs fit where 6 would at ratio 4, same accuracy

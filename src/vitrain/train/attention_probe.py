@@ -8,30 +8,26 @@ build, a meta-device forward finds each attention layer's (tokens, width, heads)
 (SDPA with torch's choice and the explicit matmul path; on CUDA also SDPA pinned to its flash,
 memory-efficient and cuDNN kernels) are timed on one layer of that shape (forward + backward, the
 run's precision policy and batch); the fastest is set on every layer of the shape, and a candidate
-that cannot run there is left out. Results are cached in ``$VITRAIN_CACHE_DIR`` (default
-``~/.cache/vitrain``) under the device, torch version, thread count and shape, so the probe runs
-once per machine and shape.
+that cannot run there is left out. Results are cached with the other measured choices
+(:mod:`vitrain.train.choices`) under the device as it computes, the precision policy, the fused kernels
+and the shape, so the probe runs once per machine and shape.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from vitrain import kernels
-from vitrain.checkpoint.manager import write_file_atomic
-from vitrain.metrics.records import run_environment
 from vitrain.models.layers import SDPA_BACKENDS, Attention
 from vitrain.precision import PrecisionPolicy
+from vitrain.train.choices import device_key, measured_entry
 
 log = logging.getLogger("vitrain")
 
@@ -41,14 +37,6 @@ CUDA_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *(impl for impl in SDPA_BACKENDS if im
 NO_KERNEL = ("No available kernel", "No viable backend")
 """What torch's SDPA says when the kernels it may use cannot take the inputs."""
 Shape = tuple[int, int, int]  # tokens, width, heads
-
-
-def cache_path() -> Path:
-    root = (
-        os.environ.get("VITRAIN_CACHE_DIR")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vitrain"
-    )
-    return Path(root) / "attention.json"
 
 
 def attention_shapes(model: nn.Module, images: torch.Tensor) -> dict[Shape, list[Attention]]:
@@ -98,26 +86,11 @@ def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy)
 
 def _key(shape: Shape, batch: int, policy: PrecisionPolicy) -> str:
     tokens, width, heads = shape
-    facts = run_environment(policy.device)
+    fused = "fused kernels" if kernels.wanted(policy.device, policy.dtype) else "native ops"
     return (
-        f"{facts['device_name']} x{torch.get_num_threads()} | torch {torch.__version__} | {policy.dtype} {policy.mode} | "
+        f"attention | {device_key(policy.device)} | {policy.dtype} {policy.mode}, {fused} | "
         f"batch {batch}, {tokens} tokens, width {width}, {heads} heads"
     )
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # missing or unreadable: measure again
-
-
-def _write_cache(path: Path, cache: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(path, json.dumps(cache, indent=1, sort_keys=True).encode())
-    except OSError as error:  # a read-only home costs a probe per run, not the run
-        log.warning("attention probe: could not cache results in %s (%s)", path, error)
 
 
 def candidates(device: str) -> tuple[str, ...]:
@@ -144,28 +117,24 @@ def measure_candidates(shape: Shape, batch: int, policy: PrecisionPolicy) -> dic
     }
 
 
-def _is_complete(entry: dict | None, device: str) -> bool:
+def _is_complete(entry: dict, device: str) -> bool:
     """A cached entry answers for every candidate of this device (entries written before a candidate
     existed are measured again)."""
-    if entry is None:
-        return False
-    return all(f"{impl}_ms" in entry or impl in entry.get("unavailable", {}) for impl in candidates(device))
+    return "impl" in entry and all(
+        f"{impl}_ms" in entry or impl in entry.get("unavailable", {}) for impl in candidates(device)
+    )
 
 
 def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy: PrecisionPolicy) -> dict[Shape, str]:
     """Set the fastest implementation on every attention layer of ``model``; return the choice per shape.
     ``images``: one input of the run's shape (a meta tensor is enough)."""
-    shapes = attention_shapes(model, images)
-    path = cache_path()
-    cache = _read_cache(path)
-    chosen, measured_any = {}, False
-    for shape, modules in shapes.items():
-        key = _key(shape, batch, policy)
-        measured = not _is_complete(cache.get(key), policy.device)
-        if measured:
-            cache[key] = measure_candidates(shape, batch, policy)
-            measured_any = True
-        entry = cache[key]
+    chosen = {}
+    for shape, modules in attention_shapes(model, images).items():
+        entry, cached = measured_entry(
+            _key(shape, batch, policy),
+            lambda shape=shape: measure_candidates(shape, batch, policy),
+            lambda entry: _is_complete(entry, policy.device),
+        )
         chosen[shape] = entry["impl"]
         for module in modules:
             module.impl = entry["impl"]
@@ -177,10 +146,8 @@ def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy:
             entry["impl"],
             *shape,
             timings,
-            "" if measured else ", cached",
+            ", cached" if cached else "",
         )
-    if measured_any:
-        _write_cache(path, cache)
     return chosen
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from vitrain import cpu_features, kernels
+from vitrain import kernels
 from vitrain.checkpoint import CheckpointManager, RunCheckpoints
 from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -182,7 +182,6 @@ def _apply_converters(model: nn.Module, plan: Plan) -> None:
     ``train.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
     channels-last weights."""
     policy = plan.precision
-    cpu_features.warn_if_bf16_emulated(policy.device, policy.dtype)
     if kernels.wanted(policy.device, policy.dtype):
         kernels.paths()  # where they will apply: probed once, before any clock
         kernels.convert(model)

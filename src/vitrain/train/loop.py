@@ -36,6 +36,7 @@ from vitrain.train.build import (
     warm_up_compiled_shapes,
 )
 from vitrain.train.evaluate import evaluate
+from vitrain.train.plan import with_measured_choices
 from vitrain.train.schedule import apply_lr, run_progress, scheduled_lr, scheduled_lr_of
 from vitrain.train.signals import Preempted, StopSignals
 from vitrain.train.skips import SkipCounter
@@ -77,6 +78,8 @@ class Trainer:
         self.memory = WindowPeakMemory(self.plan.device)
         # rank 0 alone writes metrics: the others skip the CPU's matmul probe
         self.peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
+        if self.peak is not None and self.peak.tflops:
+            log.info("MFU divides by %.3g TFLOP/s per device (%s)", self.peak.tflops, self.peak.source)
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
         self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)
@@ -449,7 +452,13 @@ class Trainer:
             self.session_train_s,
             self.session_data_wait_s,
             preempted,
-            {"mean_tflops": tflops, "mean_mfu": self._mfu(tflops), "peak_mem_gib": self.session_peak_mem_gib},
+            {
+                "mean_tflops": tflops,
+                "mean_mfu": self._mfu(tflops),
+                "mfu_peak_tflops": self.peak.tflops if self.peak is not None else None,
+                "mfu_peak_source": self.peak.source if self.peak is not None else None,
+                "peak_mem_gib": self.session_peak_mem_gib,
+            },
             self.profiler.files,
             self._session_reads(),
         )
@@ -462,6 +471,7 @@ def train(plan: Plan, resume: str | None = None, clock: Callable[[], float] = ti
     ``clock`` (seconds) measures training time, hence budgets; tests inject a fake one."""
     plan, checkpoint_path, payload = _resume_point(plan, resume)
     prepare_run_folder(plan)
+    plan = with_measured_choices(plan)  # after every check of the input: measuring is work
     run = build_run(plan)
     if payload is not None:
         run.state = TrainState.from_state_dict(run.checkpoints.resume(checkpoint_path, payload))

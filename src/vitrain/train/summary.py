@@ -53,9 +53,11 @@ def write_summary(
     data_reads: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Write ``summary.json`` (rank 0) and return it. ``utilization``: the session's ``mean_tflops`` (the
-    whole job's), ``mean_mfu`` (per device) and ``peak_mem_gib``, as the training loop measured them;
+    whole job's), ``mean_mfu`` (per device), the peak MFU divides by (``mfu_peak_tflops``, ``mfu_peak_source``)
+    and ``peak_mem_gib``, as the training loop measured them;
     ``profile``: the steps and files of a ``train.profile`` trace (rank 0's); ``data_reads``: the session's
-    ``mean_read_mb_s`` and ``mean_files_s`` (rank 0's training loader; None for in-memory data)."""
+    ``mean_read_mb_s`` and ``mean_files_s`` (rank 0's training loader; None for in-memory data). ``auto``: the
+    measured choice of the run's ``auto`` precision, mode and CPU kernels, with every candidate's img/s."""
     state, plan = run.state, run.plan
     summary = {
         "model": plan.model.name,
@@ -79,7 +81,9 @@ def write_summary(
         "eval_s": state.eval_s,
         "checkpoint_s": state.checkpoint_s,
         "mean_img_s": images_this_session / session_train_s if session_train_s > 0 else None,
-        **{"mean_tflops": None, "mean_mfu": None, "peak_mem_gib": None, **(utilization or {})},
+        **{"mean_tflops": None, "mean_mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None},
+        **{"peak_mem_gib": None, **(utilization or {})},
+        "auto": plan.measured.record() if plan.measured is not None else None,
         "data_wait_frac": session_data_wait_s / session_train_s if session_train_s > 0 else None,
         **{"mean_read_mb_s": None, "mean_files_s": None, **(data_reads or {})},
         "bad_images": run.train_loader.bad_images.counts(),

@@ -1,0 +1,83 @@
+"""The cache of measured choices: what ``auto`` picked on this machine, and the figures it picked by.
+
+Every automatic choice of a run is decided by timing its candidates here, never by a library's
+capability flag: the attention implementation per shape (:mod:`vitrain.train.attention_probe`), and the
+precision, precision mode and fused CPU kernels (:mod:`vitrain.train.precision_choice`). Each answer is
+kept in ``$VITRAIN_CACHE_DIR/measured.json`` (default ``~/.cache/vitrain``) under a key that names the
+question, the device as it computes (:func:`device_key`: on a CPU its model, the ISA ATen and oneDNN use,
+vitrain's AMX switch, the threads and torch) and the shape; later runs of the same shape start at once. A
+missing, unreadable or read-only cache costs a measurement per run, never the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitrain import cpu_features
+from vitrain.checkpoint.manager import write_file_atomic
+
+log = logging.getLogger("vitrain")
+
+CACHE_NAME = "measured.json"
+
+
+def cache_path() -> Path:
+    root = (
+        os.environ.get("VITRAIN_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vitrain"
+    )
+    return Path(root) / CACHE_NAME
+
+
+def device_key(device: str) -> str:
+    """The device as it computes: a GPU's name, capability and the CUDA torch was built for; on a CPU
+    :func:`vitrain.cpu_features.cpu_key` (so an emulated CPU level never reads a native level's answers)."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        name = torch.cuda.get_device_name(index)
+        return f"{name} sm{major}{minor} | cuda {torch.version.cuda} | torch {torch.__version__}"
+    return cpu_features.cpu_key()
+
+
+def read_cache(path: Path | None = None) -> dict[str, Any]:
+    try:
+        cache = json.loads((path or cache_path()).read_text())
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: measure again
+    return cache if isinstance(cache, dict) else {}
+
+
+def write_cache(cache: dict[str, Any], path: Path | None = None) -> None:
+    path = path or cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, json.dumps(cache, indent=1).encode())
+    except OSError as error:  # a read-only home costs a measurement per run, not the run
+        log.warning("measured choices: could not cache results in %s (%s)", path, error)
+
+
+def measured_entry(
+    key: str, measure: Callable[[], dict[str, Any]], complete: Callable[[dict[str, Any]], bool] = bool
+) -> tuple[dict[str, Any], bool]:
+    """The cache entry of ``key`` and whether it came from the cache; ``measure()`` makes it (and it is
+    cached) where there is none or ``complete(entry)`` says it lacks an answer the caller needs now."""
+    cache = read_cache()
+    entry = cache.get(key)
+    if isinstance(entry, dict) and complete(entry):
+        return entry, True
+    entry = measure()
+    cache = read_cache()  # another process may have written meanwhile: keep its answers
+    cache[key] = entry
+    write_cache(cache)
+    return entry, False
+
+
+__all__ = ["CACHE_NAME", "cache_path", "device_key", "measured_entry", "read_cache", "write_cache"]
