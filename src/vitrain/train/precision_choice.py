@@ -124,7 +124,7 @@ def probe_config(config: Config, per_process_batch: int) -> Config:
     return probe
 
 
-def _key(config: Config, plan: Plan, found: list[Candidate]) -> str:
+def _key(plan: Plan, found: list[Candidate]) -> str:
     model, optim = plan.model, plan.optim
     options = ", ".join(f"{name}={value}" for name, value in sorted(model.options.items()) if value is not None)
     return (
@@ -310,7 +310,7 @@ def measure_precision(
         batch = plan.batch.per_process(plan.batch.global_batch)
         with _quiet_probe():
             entry, cached = measured_entry(
-                _key(config, plan, found), lambda: _measure(config, info, hardware, batch, found, may_build), _complete
+                _key(plan, found), lambda: _measure(config, info, hardware, batch, found, may_build), _complete
             )
         entry = {**entry, "cached": cached}
     entry = broadcast_object(entry)
