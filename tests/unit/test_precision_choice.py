@@ -212,3 +212,16 @@ def test_a_large_model_is_probed_at_the_batch_its_flops_allow_in_seconds(cache_d
     measure_precision(config, imagenet, CPU)
     batch = timed[0][1]
     assert 1 <= batch <= 16 and all(size == batch for _, size in timed)  # 3 x 17.6 GFLOPs an image at 0.2 TFLOP/s
+
+
+def test_show_config_prints_the_measured_choice_and_its_figures(cache_dir, capsys):
+    from vitrain.cli import main
+
+    argv = ["show-config", *[item for setting in TINY for item in ("--set", setting)]]
+    argv += ["--set", "data.name=synthetic", "--set", "precision=auto", "--set", "train.cpu_kernels=native"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    measured = next(line for line in lines if line.startswith("# measured on cpu: "))
+    assert "fp32 " in measured and "bf16 autocast " in measured and "img/s at batch 16" in measured
+    assert main([*argv, "--set", "precision=fp32"]) == 0  # nothing to choose: what it computes in, unmeasured
+    assert "# computes in fp32 (autocast) on cpu" in capsys.readouterr().out
