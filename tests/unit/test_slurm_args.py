@@ -8,7 +8,8 @@ import pytest
 
 from vitrain.cli import main
 from vitrain.config import DataConfig
-from vitrain.parallel.slurm import SlurmJob, cluster_dataset_info, sbatch_script
+from vitrain.data.sources import nominal_source_info
+from vitrain.parallel.slurm import SlurmJob, sbatch_script
 
 MISSING = "/path/that/does/not/exist/here"
 
@@ -114,8 +115,8 @@ def test_an_unknown_flag_is_one_line_and_exit_2(tmp_path, capsys):
     ],
 )
 def test_the_data_on_the_cluster_is_given_its_source_s_shape_without_reading_it(name, sizes):
-    info = cluster_dataset_info(DataConfig(name=name, root=None if name == "synthetic" else MISSING))
+    info = nominal_source_info(DataConfig(name=name, root=None if name == "synthetic" else MISSING))
     assert (info.num_train, info.num_eval, info.num_classes, info.channels) == sizes
     assert len(info.mean) == len(info.std) == info.channels
-    limited = cluster_dataset_info(DataConfig(name=name, limit_train=500, limit_eval=100))
+    limited = nominal_source_info(DataConfig(name=name, limit_train=500, limit_eval=100))
     assert (limited.num_train, limited.num_eval) == (500, 100)

@@ -214,6 +214,29 @@ def _limited(count: int, limit: int | None) -> int:
     return count if limit is None else min(count, limit)
 
 
+IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
+FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES = 60_000, 10_000
+
+
+def nominal_source_info(config: DataConfig) -> DatasetInfo:
+    """What :func:`describe_source` would say of a source whose files are not here (a job's data on its
+    cluster, a recipe's data not installed), without reading anything: image folders and shards have
+    ImageNet-1k's shape (1,281,167 training and 50,000 evaluation images, 1000 classes, 3 channels, ImageNet
+    mean/std: the config names no class count, and a generous training set refuses no batch that the real
+    one may take), Fashion-MNIST its own (60,000/10,000 images, 10 classes, 1 channel); synthetic data is
+    described as ever (it reads no files). data.limit_train/limit_eval apply."""
+    if config.name == "synthetic":
+        return describe_source(config)
+    if config.name == "fashion-mnist":
+        sizes = (FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+    else:
+        sizes = (IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES, 3, IMAGENET_MEAN, IMAGENET_STD)
+    num_train, num_eval, num_classes, channels, mean, std = sizes
+    return DatasetInfo(
+        _limited(num_train, config.limit_train), _limited(num_eval, config.limit_eval), num_classes, channels, mean, std
+    )
+
+
 def describe_source(config: DataConfig) -> DatasetInfo:
     """Read what resolve() needs without loading the data; raise ConfigError if it is missing."""
     if config.name == "fashion-mnist":

@@ -3,7 +3,6 @@ the fused CPU kernels and the thread count."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -70,21 +69,15 @@ def check_bf16(context: Context) -> list[Check]:
 
 
 def _probe_data(config) -> tuple[Any, str]:
-    """The recipe's dataset description, or where its data is missing (the environment lines say so) one of
-    the shape its source would have: the probe times the model, not the data."""
-    from vitrain.config import ConfigError, DatasetInfo
-    from vitrain.data import describe_source
+    """The recipe's dataset description, or where its data is missing (the environment lines say so) the
+    shape its source would have: the probe times the model, not the data."""
+    from vitrain.config import ConfigError
+    from vitrain.data.sources import describe_source, nominal_source_info
 
     try:
         return describe_source(config.data), ""
     except ConfigError:
-        grayscale = config.data.name == "fashion-mnist"
-        classes = 10 if grayscale else config.data.synthetic_num_classes
-        batch = config.train.batch_size
-        info = DatasetInfo(batch * 4, batch, classes, 1 if grayscale else 3, (0.5,), (0.25,))
-        if not grayscale:
-            info = dataclasses.replace(info, mean=(0.5,) * 3, std=(0.25,) * 3)
-        return info, " (its data not found: the model timed at its shape)"
+        return nominal_source_info(config.data), " (its data not found: the model timed at its shape)"
 
 
 def check_auto_precision(context: Context) -> list[Check]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vitrain.config import Config, DataConfig, DatasetInfo, Plan
+    from vitrain.config import Config, Plan
 
 LAUNCHERS = ("torchrun", "srun")
 
@@ -192,9 +192,6 @@ def _launch_with_requeue(command: list[str]) -> list[str]:
 
 # --- the training arguments, checked on this machine ----------------------------------------------
 
-IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
-FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES = 60_000, 10_000
-
 CLUSTER_PATHS = (
     "data.root",
     "data.token_labels",
@@ -204,33 +201,6 @@ CLUSTER_PATHS = (
     "train.teacher_weights",
 )
 """Config keys naming files on the cluster: not looked for on the machine writing the script."""
-
-
-def cluster_dataset_info(data: DataConfig) -> DatasetInfo:
-    """What :func:`vitrain.data.sources.describe_source` would say of ``data`` on the cluster, without
-    reading it (data.root is a path there). imagefolder and webdataset: ImageNet-1k's shape (1,281,167
-    training and 50,000 evaluation images, 1000 classes, 3 channels, ImageNet mean/std): the config names
-    no class count, and a generous training set means a batch is never refused for a small data set
-    here (the run itself checks the real counts); fashion-mnist: its 60,000/10,000 images, 10 classes,
-    1 channel; synthetic: the source itself (it reads no files). data.limit_train/limit_eval apply."""
-    from vitrain.config import DatasetInfo
-    from vitrain.data.sources import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD, describe_source
-
-    if data.name == "synthetic":
-        return describe_source(data)
-    if data.name == "fashion-mnist":
-        sizes = (FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
-    else:
-        sizes = (IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES, 3, IMAGENET_MEAN, IMAGENET_STD)
-    num_train, num_eval, num_classes, channels, mean, std = sizes
-    return DatasetInfo(
-        num_train=min(num_train, data.limit_train or num_train),
-        num_eval=min(num_eval, data.limit_eval or num_eval),
-        num_classes=num_classes,
-        channels=channels,
-        mean=mean,
-        std=std,
-    )
 
 
 def _stand_in_kind(key: str, value: object) -> str | None:
@@ -280,15 +250,17 @@ def check_train_config(config: Config, processes: int) -> Plan:
     """``resolve()`` of ``config`` as a job of ``processes`` CUDA processes (bf16-capable GPUs) will run
     it, raising its ConfigError: the model and its options, batches that split over the processes, the run's
     length, curriculum, parallel strategy with precision, distillation and token-labeling keys. The data is
-    taken to have the shape of :func:`cluster_dataset_info`, and the files of :data:`CLUSTER_PATHS` to
+    taken to have the shape of :func:`vitrain.data.sources.nominal_source_info` (ImageNet-1k's for image
+    folders and shards), and the files of :data:`CLUSTER_PATHS` to
     exist (their form is still checked: a timm teacher needs train.teacher_weights, init weights need a
     weights suffix). The plan is for checking only (the precision unmeasured)."""
     from vitrain.config import ConfigError, Hardware, World, resolve
+    from vitrain.data.sources import nominal_source_info
 
     hardware = Hardware(cuda_available=True, bf16_supported=True)
     with _cluster_paths_stood_in(config) as (stood_in, given):
         try:
-            return resolve(stood_in, cluster_dataset_info(config.data), hardware, world=World(size=processes))
+            return resolve(stood_in, nominal_source_info(config.data), hardware, world=World(size=processes))
         except ConfigError as error:
             message = str(error)
             for stand_in, value in given.items():
