@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from vitrain import torch_at_least
-from vitrain.checkpoint.manager import CheckpointError
 from vitrain.config import ConfigError
+from vitrain.io import CheckpointError
 
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 """What the export needs besides torch: the ONNX format, torch's dynamo exporter's translator, the check."""

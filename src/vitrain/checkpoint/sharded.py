@@ -44,15 +44,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from vitrain.checkpoint.manager import (
+from vitrain.checkpoint.manager import load_checkpoint
+from vitrain.io import (
     CHECKPOINT_EXPECTED,
     CHECKPOINT_FIX,
     CheckpointError,
     check_readable_file,
     error_summary,
-    load_checkpoint,
+    fsync_dir,
 )
-from vitrain.checkpoint.manager import _fsync_dir as fsync_dir
 from vitrain.parallel.distributed import active, barrier
 
 if TYPE_CHECKING:

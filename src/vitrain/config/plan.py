@@ -4,7 +4,7 @@
 the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml``, the summary).
 
 - :class:`ModelPlan` -> the model build; :class:`BatchPlan` -> every batch size, per process included;
-- :class:`~vitrain.precision.PrecisionPolicy` -> step, optimizer, parallelism, evaluation;
+- :class:`~vitrain.config.precision.PrecisionPolicy` -> step, optimizer, parallelism, evaluation;
 - :class:`ParallelPlan` -> ``parallelize``; :class:`OptimizerPlan` -> ``build_optimizer``;
 - :class:`SchedulePlan` -> LR schedule, run length, curriculum stages; :class:`DataPlan` -> the loaders
   (its :class:`MixPlan` -> the batch mixer);
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vitrain.config.schema import Config, DataConfig
 
 if TYPE_CHECKING:
-    from vitrain.precision import PrecisionPolicy
+    from vitrain.config.precision import PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)

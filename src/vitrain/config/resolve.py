@@ -20,7 +20,7 @@ from vitrain.config.plan import MeasuredPrecision, Plan, Stage, World
 from vitrain.config.schema import Config, ConfigError, ModelConfig
 
 if TYPE_CHECKING:
-    from vitrain.precision import PrecisionPolicy
+    from vitrain.config.precision import PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,7 +579,7 @@ def _check_dali(config: Config) -> None:
 def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
     """How a run computes, decided here alone from the resolved ``precision``, ``precision_mode`` and
     whether FSDP2 shards the model (its mixed-precision policy is then O2's low-precision compute)."""
-    from vitrain.precision import PrecisionPolicy
+    from vitrain.config.precision import PrecisionPolicy
 
     low = precision != "fp32"
     mode = mode if low else "autocast"  # fp32: every mode computes alike

@@ -346,7 +346,7 @@ def _read_marker(marker: Path) -> str | None:
 
 
 def _write_marker(marker: Path, stamp: str) -> None:
-    from vitrain.checkpoint.manager import write_file_atomic
+    from vitrain.io import write_file_atomic
 
     try:
         write_file_atomic(marker, stamp.encode())

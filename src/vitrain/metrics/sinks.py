@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.config import LogPlan
+from vitrain.io import write_file_atomic
 from vitrain.metrics.records import JsonlWriter
 
 log = logging.getLogger("vitrain")

@@ -66,7 +66,7 @@ def read_vitrain_weights(path: Path, kind: SourceKind) -> tuple[dict[str, torch.
 def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a .safetensors file, or a torch file (weights only) holding one, possibly under
     ``model`` or ``state_dict`` (DeiT's and many training scripts' layout)."""
-    from vitrain.checkpoint.manager import CheckpointError, read_torch_file
+    from vitrain.io import CheckpointError, read_torch_file
 
     path = Path(path)
     if not path.exists():
@@ -93,7 +93,7 @@ WEIGHTS_FIX = "download or copy it again"
 
 def _read_safetensors(path: Path, what: str = "safetensors file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a .safetensors file; what keeps it from being read is a WeightsSourceError."""
-    from vitrain.checkpoint.manager import SAFETENSORS_FIX, CheckpointError, read_safetensors
+    from vitrain.io import SAFETENSORS_FIX, CheckpointError, read_safetensors
 
     try:
         return read_safetensors(path, what, SAFETENSORS_FIX if what == "safetensors file" else WEIGHTS_FIX)

@@ -40,9 +40,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from vitrain.config import ParallelPlan
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.distributed import wrap_data_parallel
-from vitrain.precision import PrecisionPolicy
 
 log = logging.getLogger("vitrain")
 

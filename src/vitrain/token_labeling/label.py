@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from vitrain.config import ConfigError, DataPlan, Plan, World
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.data import sources
 from vitrain.data.loader import BadImageLog, ImageFileDataset, draft_size, in_memory_split
 from vitrain.data.transforms import Normalize, batch_eval_resize, build_eval_transform
@@ -44,7 +45,6 @@ from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.models.vit import VisionTransformer
 from vitrain.models.volo import VOLO
 from vitrain.parallel.distributed import barrier, gather_objects
-from vitrain.precision import PrecisionPolicy
 from vitrain.token_labeling.maps import (
     DEFAULT_SHARD_SIZE,
     MISSING_INDEX,

@@ -441,7 +441,7 @@ class PublishedLabelMaps:
         return self.root / published_map_name(self.sample_keys[index])
 
     def _load(self, index: int) -> torch.Tensor:
-        from vitrain.checkpoint.manager import CheckpointError, read_torch_file
+        from vitrain.io import CheckpointError, read_torch_file
 
         path = self.file(index)
         if not path.exists():

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from vitrain import kernels
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.models.layers import SDPA_BACKENDS, Attention
-from vitrain.precision import PrecisionPolicy
 from vitrain.train.choices import device_key, measured_entry
 
 log = logging.getLogger("vitrain")

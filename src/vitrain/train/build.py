@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from vitrain import kernels
 from vitrain.checkpoint import CheckpointManager, RunCheckpoints
-from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from vitrain.checkpoint.sharded import load_model_state
 from vitrain.config import ConfigError, DataPlan, Plan, config_to_yaml
@@ -43,6 +42,7 @@ from vitrain.data import Normalize, build_loaders
 from vitrain.data.loader import derive_seed
 from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.data.sources import image_folder_root, image_folder_samples
+from vitrain.io import write_file_atomic
 from vitrain.models import build_model, load_pretrained
 from vitrain.models.sources import WeightsSourceError, read_init_weights
 from vitrain.models.teacher import TeacherError, load_teacher

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vitrain import cpu_features
-from vitrain.checkpoint.manager import write_file_atomic
+from vitrain.io import write_file_atomic
 
 log = logging.getLogger("vitrain")
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import all_reduce_
-from vitrain.precision import PrecisionPolicy
 from vitrain.train.step import both_heads
 
 

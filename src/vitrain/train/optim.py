@@ -13,8 +13,8 @@ from torch import nn
 from torch.optim.adamw import adamw as adamw_update
 
 from vitrain.config import ConfigError, OptimizerPlan
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import holds_dtensors
-from vitrain.precision import PrecisionPolicy
 
 # Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024, github.com/KellerJordan/Muon): chosen
 # for the steepest slope at zero, so five steps bring every singular value into about [0.7, 1.2].

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vitrain.config.plan import DistillPlan, TokenLabelPlan
+from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import holds_dtensors, local_shard
-from vitrain.precision import PrecisionPolicy
 from vitrain.token_labeling.loss import token_labeling_loss
 from vitrain.token_labeling.mixtoken import MixTokenHook, TokenBox
 from vitrain.train.losses import DistillationLoss, TrainingLoss

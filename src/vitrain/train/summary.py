@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vitrain.checkpoint.manager import write_file_atomic
 from vitrain.config import SchedulePlan
+from vitrain.config.precision import PrecisionPolicy
+from vitrain.io import write_file_atomic
 from vitrain.metrics import run_environment
 from vitrain.models import num_parameters
-from vitrain.precision import PrecisionPolicy
 from vitrain.train.build import Run
 
 

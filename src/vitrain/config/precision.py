@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-LOW_PRECISION_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_PRECISIONS = ("bf16", "fp16")
 
 Weights = Literal["fp32", "low_precision_copy", "low_precision", "fsdp_mixed_precision"]
 
@@ -42,7 +43,9 @@ class PrecisionPolicy:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return LOW_PRECISION_DTYPES.get(self.dtype, torch.float32)
+        import torch  # torch only once a run computes: the config layer stays light
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.dtype, torch.float32)
 
     @property
     def casts_inputs(self) -> bool:
@@ -52,14 +55,18 @@ class PrecisionPolicy:
     @property
     def weights_dtype(self) -> torch.dtype:
         """The dtype of the weights the training forward computes with."""
+        import torch
+
         return torch.float32 if self.weights == "fp32" else self.compute_dtype
 
     def autocast_context(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype for bf16/fp16, a no-op for fp32: evaluation runs under it in every
         mode, the training forward only where :attr:`autocast` is set."""
-        if self.dtype not in LOW_PRECISION_DTYPES:
+        if self.dtype not in LOW_PRECISIONS:
             return contextlib.nullcontext()
-        return torch.autocast(torch.device(self.device).type, dtype=LOW_PRECISION_DTYPES[self.dtype])
+        import torch
+
+        return torch.autocast(torch.device(self.device).type, dtype=self.compute_dtype)
 
     def training_context(self) -> contextlib.AbstractContextManager:
         """What the training forward runs under: autocast where the policy says, else nothing."""
