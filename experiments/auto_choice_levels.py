@@ -43,8 +43,9 @@ VIT_TI4_32PX = [
 def measure_here() -> dict:
     """In the level's subprocess: the measured choice for both models."""
     from vitrain import cpu_features
-    from vitrain.config import Hardware, build_config
+    from vitrain.config import build_config
     from vitrain.data import describe_source
+    from vitrain.hardware import detect_hardware
     from vitrain.recipes import get_recipe
     from vitrain.train.precision_choice import measure_precision
 
@@ -53,7 +54,7 @@ def measure_here() -> dict:
         ("default (fmnist recipe)", get_recipe("fmnist")),
         ("ViT-Ti/4, 32 px, batch 128", build_config(get_recipe("fmnist"), [], VIT_TI4_32PX)),
     ):
-        measured = measure_precision(config, describe_source(config.data), Hardware.detect("cpu"))
+        measured = measure_precision(config, describe_source(config.data), detect_hardware("cpu"))
         results["models"][name] = measured.record()
     return results
 

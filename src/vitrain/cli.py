@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from vitrain.checkpoint import CheckpointError, resolve_checkpoint_argument
-from vitrain.config import Config, ConfigError, Hardware, World, build_config, config_to_yaml
+from vitrain.config import Config, ConfigError, World, build_config, config_to_yaml
+from vitrain.hardware import detect_hardware
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
 from vitrain.train import make_plan
 from vitrain.train.loop import TrainingDiverged
@@ -466,7 +467,7 @@ def processes(config: Config):
 
     world = World.from_env()
     if world.size > 1:
-        cuda = Hardware.detect(config.train.device).cuda_available and config.train.device != "cpu"
+        cuda = detect_hardware(config.train.device).cuda_available and config.train.device != "cpu"
         init_distributed(world, cuda, config.parallel.timeout_s)
         if not world.is_main:
             log.setLevel(logging.WARNING)
@@ -509,7 +510,7 @@ def command_finetune(args: argparse.Namespace) -> int:
 def _finetune_base(args: argparse.Namespace) -> Config:
     """The config a fine-tuning run starts from, before --config/--set: --recipe's, its model replaced by
     the one holding timm weights; else the saved config of vitrain weights, as recipe ``<recipe>_ft``."""
-    from vitrain.models.sources import WeightsSourceError, init_source_kind, read_init_weights
+    from vitrain.weights.sources import WeightsSourceError, init_source_kind, read_init_weights
 
     timm_source = init_source_kind(args.init_from) == "timm"
     if args.recipe is not None and not timm_source:
@@ -540,9 +541,9 @@ def _finetune_base(args: argparse.Namespace) -> Config:
 def command_eval(args: argparse.Namespace) -> int:
     from vitrain.checkpoint.sharded import read_checkpoint_model
     from vitrain.data import Normalize, build_loaders
-    from vitrain.predict import checkpoint_config
     from vitrain.train import build_model_for
     from vitrain.train.evaluate import evaluate
+    from vitrain.weights.inference import checkpoint_config
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     weights, info = read_checkpoint_model(args.checkpoint, args.weights)
@@ -557,8 +558,7 @@ def command_eval(args: argparse.Namespace) -> int:
 
 
 def command_export(args: argparse.Namespace) -> int:
-    from vitrain.checkpoint.onnx import export_onnx
-    from vitrain.checkpoint.sharded import export_model, export_timm
+    from vitrain.export import export_model, export_onnx, export_timm
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
     result = {"checkpoint": str(args.checkpoint), "weights": args.weights, "format": args.format, "out": str(args.out)}
@@ -585,7 +585,7 @@ def command_predict(args: argparse.Namespace) -> int:
     topk = min(args.topk, len(trained.class_names))
     for line in predict.header_lines(style, trained.class_names, width, topk):
         print(line)
-    workers = trained.plan.data.source.num_workers
+    workers = trained.plan.data.num_workers
     classified = 0
     for prediction in predict.predict_files(trained, paths, args.batch, topk, workers):
         if prediction.error is not None:
@@ -766,7 +766,7 @@ def _bench_scaling(args: argparse.Namespace, config: Config) -> int:
             skip = True
         elif not arg.startswith(("--nproc=", "--json=", "--plot=", "--batch=")):
             passed.append(arg)
-    on_cpu = not Hardware.detect(config.train.device).cuda_available or config.train.device == "cpu"
+    on_cpu = not detect_hardware(config.train.device).cuda_available or config.train.device == "cpu"
     result = run_scaling(passed, args.batch, counts, on_cpu)
     print(format_scaling(result))
     _write_json(args.json, result)

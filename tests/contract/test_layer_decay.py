@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vitrain.models import build_model, list_models
-from vitrain.models.convert import timm_name
+from vitrain.models.timm_weights import timm_name
 from vitrain.train.optim import build_param_groups
 
 timm = pytest.importorskip("timm", reason="timm is a test dependency for parity checks ([dev] extra)")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vitrain.models import ViTArgs, build_model, list_models, model_spec, num_parameters, resample_pos_embed
-from vitrain.models.convert import TIMM_NAMES, from_timm, timm_name, to_timm
 from vitrain.models.layers import LocalityMlp
+from vitrain.models.timm_weights import TIMM_NAMES, from_timm, timm_name, to_timm
 from vitrain.train.optim import build_param_groups
 
 MODEL_NAMES = [spec.name for spec in list_models() if isinstance(spec.args, ViTArgs)]

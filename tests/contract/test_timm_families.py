@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitrain.models import build_model
-from vitrain.models.convert import from_timm, timm_hub_config, timm_model_args, timm_name, to_timm
 from vitrain.models.flops import model_flops
+from vitrain.models.timm_weights import from_timm, timm_hub_config, timm_model_args, timm_name, to_timm
 
 timm = pytest.importorskip("timm", reason="timm is a test dependency for parity checks ([dev] extra)")
 
@@ -194,7 +194,7 @@ def test_deit3_variants_are_timms_sizes_with_deit3s_training_choices():
 
 
 def test_patch_size_is_read_from_either_stem():
-    from vitrain.models.convert import inferred_model_args
+    from vitrain.models.timm_weights import inferred_model_args
 
     conv = build_model("vit_tiny6_convstem_patch8", patch_size=4, img_size=16, depth=1).state_dict()
     assert {key: inferred_model_args(conv, "vit_tiny6_convstem_patch8")[key] for key in ("patch_size", "img_size")} == {

@@ -23,7 +23,7 @@ from vitrain.checkpoint.sharded import COMPLETE_MARKER, read_checkpoint_model
 from vitrain.cli import main
 from vitrain.config import DatasetInfo, Hardware, World, resolve
 from vitrain.metrics import read_jsonl
-from vitrain.models import build_model
+from vitrain.models import build_model, model_facts
 from vitrain.parallel.parallelize import apply_fsdp
 
 FINAL = "checkpoints/step-000000018"
@@ -176,7 +176,9 @@ def test_fsdp_on_a_cpu_mesh_reduces_gradients_by_sum_then_divides(tmp_path):
     unsharded model's."""
     config = make_config("model.name=vit_tiny6_patch7", "train.batch_size=16", "parallel.strategy=fsdp")
     data = DatasetInfo(num_train=96, num_eval=32, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
-    plan = resolve(config, data, Hardware(cuda_available=False, bf16_supported=True), world=World(rank=0, size=2))
+    plan = resolve(
+        config, data, Hardware(cuda_available=False, bf16_supported=True), model_facts, world=World(rank=0, size=2)
+    )
     torch.manual_seed(0)
     reference = build_model("vit_tiny6_patch7", img_size=28, in_chans=1, num_classes=10)
     sharded = build_model("vit_tiny6_patch7", img_size=28, in_chans=1, num_classes=10)

@@ -149,9 +149,8 @@ def test_cuda_only_kernels_are_refused_on_the_cpu_naming_the_choices(impl, small
 def test_half_only_kernels_are_refused_in_fp32_on_cuda(impl, small_synthetic_overrides, monkeypatch):
     from vitrain.config import ConfigError, Hardware
 
-    monkeypatch.setattr(
-        Hardware, "detect", classmethod(lambda cls, device: cls(cuda_available=True, bf16_supported=True))
-    )
+    cuda = Hardware(cuda_available=True, bf16_supported=True)
+    monkeypatch.setattr("vitrain.train.plan.detect_hardware", lambda device: cuda)
     overrides = [*small_synthetic_overrides, f"model.attn_impl={impl}", "train.device=cuda"]
     with pytest.raises(ConfigError, match=f"model.attn_impl={impl} .* bf16/fp16 on CUDA .* set precision=bf16"):
         make_plan(make_config(*overrides, "precision=fp32"))
@@ -160,7 +159,7 @@ def test_half_only_kernels_are_refused_in_fp32_on_cuda(impl, small_synthetic_ove
 
 def test_eval_and_predict_take_torchs_choice_for_a_kernel_the_training_run_pinned():
     from vitrain.config import Config
-    from vitrain.predict import checkpoint_config
+    from vitrain.weights.inference import checkpoint_config
 
     saved = make_config("model.attn_impl=sdpa_cudnn", "train.device=cuda").model_dump()
     assert checkpoint_config(saved).model.attn_impl == "sdpa"

@@ -29,9 +29,10 @@ from PIL import Image
 
 from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
 from vitrain.checkpoint import load_checkpoint
-from vitrain.checkpoint.sharded import EXTRAS_FILE, export_model, export_timm, save_sharded
+from vitrain.checkpoint.sharded import EXTRAS_FILE, save_sharded
 from vitrain.cli import main
 from vitrain.config import model_overrides
+from vitrain.export import export_model, export_timm
 from vitrain.models import build_model, model_spec
 from vitrain.token_labeling.maps import DatasetFingerprint, LabelMapWriter, MapLayout, in_memory_sample_keys
 from vitrain.train import loop

@@ -23,6 +23,7 @@ from vitrain.config import (
     precision_policy,
     resolve,
 )
+from vitrain.models import model_facts
 from vitrain.recipes import get_recipe, list_recipes
 
 DATA = DatasetInfo(num_train=60000, num_eval=10000, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
@@ -32,7 +33,7 @@ CPU_ONLY = Hardware(cuda_available=False, bf16_supported=False)
 
 def test_resolve_scales_lr_and_derives_steps():
     config = make_config("train.batch_size=256", "optim.lr=0.008", "train.epochs=3", "schedule.warmup_epochs=0.5")
-    plan = resolve(config, DATA, CPU_BF16)
+    plan = resolve(config, DATA, CPU_BF16, model_facts)
     assert plan.schedule.lr == pytest.approx(0.008 * 256 / 1024)
     assert plan.schedule.steps_per_epoch == 60000 // 256
     assert plan.schedule.total_steps == 3 * 234
@@ -54,29 +55,29 @@ def test_reference_batch_and_steps_override():
         "train.steps=10",
         "checkpoint.every_epochs=0",
     )
-    plan = resolve(config, DATA, CPU_BF16)
+    plan = resolve(config, DATA, CPU_BF16, model_facts)
     assert plan.schedule.lr == pytest.approx(0.001)
     assert plan.schedule.total_steps == 10
     assert plan.checkpoint.every_epochs == 0
 
 
 def test_precision_auto_follows_hardware():
-    assert resolve(make_config("precision=auto"), DATA, CPU_BF16).precision.dtype == "bf16"
-    assert resolve(make_config("precision=auto"), DATA, CPU_ONLY).precision.dtype == "fp32"
+    assert resolve(make_config("precision=auto"), DATA, CPU_BF16, model_facts).precision.dtype == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, CPU_ONLY, model_facts).precision.dtype == "fp32"
     with pytest.raises(ConfigError, match="precision=bf16"):
-        resolve(make_config("precision=bf16"), DATA, CPU_ONLY)
+        resolve(make_config("precision=bf16"), DATA, CPU_ONLY, model_facts)
     # a CPU without native bf16 runs it emulated when asked, but auto keeps fp32 there
     emulating = Hardware(cuda_available=False, bf16_supported=False, bf16_emulated=True)
-    assert resolve(make_config("precision=bf16"), DATA, emulating).precision.dtype == "bf16"
-    assert resolve(make_config("precision=auto"), DATA, emulating).precision.dtype == "fp32"
+    assert resolve(make_config("precision=bf16"), DATA, emulating, model_facts).precision.dtype == "bf16"
+    assert resolve(make_config("precision=auto"), DATA, emulating, model_facts).precision.dtype == "fp32"
 
 
 def test_o2_applies_only_to_low_precision():
     o2 = ("precision=auto", "precision_mode=o2")
-    assert resolve(make_config(*o2), DATA, CPU_BF16).precision.mode == "o2"
-    assert resolve(make_config(*o2), DATA, CPU_ONLY).precision.mode == "autocast"
+    assert resolve(make_config(*o2), DATA, CPU_BF16, model_facts).precision.mode == "o2"
+    assert resolve(make_config(*o2), DATA, CPU_ONLY, model_facts).precision.mode == "autocast"
     with pytest.raises(ConfigError, match="precision_mode"):
-        resolve(make_config("precision_mode=o3"), DATA, CPU_BF16)
+        resolve(make_config("precision_mode=o3"), DATA, CPU_BF16, model_facts)
 
 
 POLICIES = {
@@ -107,11 +108,11 @@ def test_the_precision_policy_is_decided_in_one_place(key):
 def test_resolve_hands_fsdp_its_mixed_precision_and_every_part_its_batch():
     config = make_config("model.name=vit_tiny6_patch7", "precision=bf16", "precision_mode=o2", "train.batch_size=64")
     config.parallel.strategy, config.train.micro_batch_size = "fsdp", 12
-    plan = resolve(config, DATA, CPU_BF16, world=World(rank=1, size=4))
+    plan = resolve(config, DATA, CPU_BF16, model_facts, world=World(rank=1, size=4))
     assert plan.precision.weights == "fsdp_mixed_precision" and plan.parallel.fsdp
     assert plan.data.batch is plan.batch and plan.batch.per_process(64) == 16 and plan.batch.eval_per_process == 32
     assert plan.batch.forward_batches(64) == [12, 4] and plan.batch.global_of(16) == 64
-    single = resolve(config, DATA, CPU_BF16)
+    single = resolve(config, DATA, CPU_BF16, model_facts)
     assert single.precision.weights == "low_precision_copy" and not single.parallel.fsdp
     assert single.batch.forward_batches(64) == [12, 4]  # 64 = 5 x 12 + 4 on one process
 
@@ -119,19 +120,24 @@ def test_resolve_hands_fsdp_its_mixed_precision_and_every_part_its_batch():
 def test_fp16_full_refuses_an_adam_eps_that_underflows():
     full = ("precision=fp16", "precision_mode=full")
     with pytest.raises(ConfigError, match=r"optim.eps=1e-08 .*optim.eps>=0.0001"):
-        resolve(make_config(*full), DATA, CPU_BF16)
-    assert resolve(make_config(*full, "optim.eps=1e-4"), DATA, CPU_BF16).precision.mode == "full"
-    assert resolve(make_config("precision=bf16", "precision_mode=full"), DATA, CPU_BF16).precision.mode == "full"
+        resolve(make_config(*full), DATA, CPU_BF16, model_facts)
+    assert resolve(make_config(*full, "optim.eps=1e-4"), DATA, CPU_BF16, model_facts).precision.mode == "full"
+    assert (
+        resolve(make_config("precision=bf16", "precision_mode=full"), DATA, CPU_BF16, model_facts).precision.mode
+        == "full"
+    )
 
 
 def test_device_cuda_without_cuda_is_rejected():
     with pytest.raises(ConfigError, match="train.device"):
-        resolve(make_config("train.device=cuda"), DATA, CPU_ONLY)
-    assert resolve(make_config("train.device=auto"), DATA, CPU_ONLY).device == "cpu"
+        resolve(make_config("train.device=cuda"), DATA, CPU_ONLY, model_facts)
+    assert resolve(make_config("train.device=auto"), DATA, CPU_ONLY, model_facts).device == "cpu"
 
 
 def test_out_dir_template_is_filled():
-    plan = resolve(make_config("recipe=abc", "train.out_dir=runs/{recipe}-{time}"), DATA, CPU_ONLY, now="T1")
+    plan = resolve(
+        make_config("recipe=abc", "train.out_dir=runs/{recipe}-{time}"), DATA, CPU_ONLY, model_facts, now="T1"
+    )
     assert str(plan.out_dir) == "runs/abc-T1"
 
 
@@ -181,7 +187,7 @@ def test_bad_values_name_the_key(overrides, key, fix):
 )
 def test_resolve_rejects_with_key(overrides, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
-        resolve(make_config(*overrides), DATA, CPU_ONLY)
+        resolve(make_config(*overrides), DATA, CPU_ONLY, model_facts)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +195,7 @@ def test_resolve_rejects_with_key(overrides, key):
 )
 def test_budget_durations(text, seconds):
     assert parse_duration_s(text) == seconds
-    plan = resolve(make_config(f"train.budget={text}", "schedule.warmup_epochs=0.5"), DATA, CPU_ONLY)
+    plan = resolve(make_config(f"train.budget={text}", "schedule.warmup_epochs=0.5"), DATA, CPU_ONLY, model_facts)
     assert (plan.schedule.duration_unit, plan.schedule.run_length) == ("seconds", seconds)
     assert plan.schedule.warmup == 117 * 256  # images: the warmup is planned in images, the decay in seconds
     assert plan.schedule.total_steps is None and plan.schedule.epochs is None
@@ -200,12 +206,12 @@ def test_a_later_layer_s_length_replaces_the_recipe_s():
     assert (budget_recipe.train.epochs, budget_recipe.train.budget) == (None, "9m")
     shortened = make_config("train.epochs=1", base=budget_recipe)
     assert (shortened.train.epochs, shortened.train.budget, shortened.train.steps) == (1, None, None)
-    plan = resolve(make_config("train.steps=7", base=budget_recipe), DATA, CPU_ONLY)
+    plan = resolve(make_config("train.steps=7", base=budget_recipe), DATA, CPU_ONLY, model_facts)
     assert (plan.schedule.duration_unit, plan.schedule.run_length) == ("steps", 7)
 
 
 def test_samples_duration():
-    plan = resolve(make_config("train.samples=1000", "train.batch_size=100"), DATA, CPU_ONLY)
+    plan = resolve(make_config("train.samples=1000", "train.batch_size=100"), DATA, CPU_ONLY, model_facts)
     assert (plan.schedule.duration_unit, plan.schedule.run_length, plan.schedule.total_steps) == ("samples", 1000, 10)
 
 
@@ -218,7 +224,7 @@ def test_linear_curriculum_rule_with_constant_tokens():
         "curriculum.batch_rule=constant_tokens",
         "train.batch_size=100",
     )
-    plan = resolve(config, DATA, CPU_ONLY)
+    plan = resolve(config, DATA, CPU_ONLY, model_facts)
     sizes = [(stage.image_size, stage.batch_size, stage.until_epoch) for stage in plan.schedule.stages]
     assert sizes == [(14, 400, 2.0), (21, 177, 4.0), (28, 100, None)]  # 16 tokens / 4 and / 9
     assert [plan.schedule.stage_at(0.0, epoch).image_size for epoch in (0.0, 1.99, 2.0, 3.99, 4.0, 30.0)] == [
@@ -236,7 +242,7 @@ def test_explicit_curriculum_stages_by_fraction_of_the_run():
     config = make_config(
         "curriculum.stages=[{until: 0.25, image_size: 14, batch_size: 512, lr_scale: 2.0}, {until: 0.5, image_size: 21}]"
     )
-    plan = resolve(config, DATA, CPU_ONLY)
+    plan = resolve(config, DATA, CPU_ONLY, model_facts)
     assert [(stage.image_size, stage.batch_size, stage.lr_scale) for stage in plan.schedule.stages] == [
         (14, 512, 2.0),
         (21, 256, 1.0),
@@ -300,7 +306,9 @@ def test_every_recipe_validates_and_is_documented(tmp_path):
             config.train.teacher_weights = teacher_weights
         if config.data.token_labels is not None:  # resolve checks that the label-map folder exists
             config.data.token_labels = tmp_path
-        plan = resolve(config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16)  # model options fit
+        plan = resolve(
+            config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16, model_facts
+        )  # model options fit
         assert plan.schedule.stages[-1].image_size == config.data.image_size
 
 
@@ -311,6 +319,7 @@ def test_borealis_recipe_plans_the_paper_s_curriculum():
             num_train=1_281_167, num_eval=50_000, num_classes=1000, channels=3, mean=(0.5,) * 3, std=(0.25,) * 3
         ),
         CPU_BF16,
+        model_facts,
     )
     assert [stage.image_size for stage in plan.schedule.stages] == [32, 64, 96, 128, 160, 192, 224]
     assert [stage.until_epoch for stage in plan.schedule.stages] == [5, 10, 15, 20, 25, 30, None]
@@ -364,7 +373,7 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
 def test_unsupported_parallel_combinations_are_refused(overrides, size, needle):
     config = make_config("model.name=vit_tiny6_patch7", *overrides)
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        resolve(config, DATA, CPU_BF16, world=World(rank=0, size=size))
+        resolve(config, DATA, CPU_BF16, model_facts, world=World(rank=0, size=size))
 
 
 @pytest.mark.parametrize(
@@ -376,35 +385,35 @@ def test_fsdp_tp_is_refused_on_a_torch_that_cannot_step_it(monkeypatch, version,
     config = make_config("model.name=vit_tiny6_patch7", "model.num_heads=6", "parallel.strategy=fsdp+tp")
     config.parallel.tp_size = 2
     if not refused:
-        assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).world.tp_size == 2
+        assert resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=0, size=4)).world.tp_size == 2
         return
     with pytest.raises(ConfigError, match=re.escape(f"needs torch >= 2.9 (this environment has {version}")):
-        resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4))
+        resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=0, size=4))
     config.parallel.strategy = "fsdp"  # the strategies that run there are not refused
-    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).world.tp_size == 1
+    assert resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=0, size=4)).world.tp_size == 1
 
 
 def test_tensor_parallel_peers_share_a_data_slice(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.14.1")  # a torch that runs fsdp+tp (2.8 refuses it: above)
     config = make_config("model.name=vit_tiny6_patch7", "model.num_heads=6", "parallel.strategy=fsdp+tp")
     config.parallel.tp_size = 2
-    plan = resolve(config, DATA, CPU_ONLY, world=World(rank=3, size=4))
+    plan = resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=3, size=4))
     assert (plan.world.tp_size, plan.world.data_rank, plan.world.data_size) == (2, 1, 2)
     assert plan.checkpoint.format == "sharded"
     config.train.batch_size = 130  # 2 data slices: fine although 130 is not a multiple of the 4 processes
-    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).batch.global_batch == 130
+    assert resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=0, size=4)).batch.global_batch == 130
     config.checkpoint.format = "file"
-    assert resolve(config, DATA, CPU_ONLY, world=World(rank=0, size=4)).checkpoint.format == "file"
-    single = resolve(make_config("model.name=vit_tiny6_patch7", "parallel.strategy=fsdp"), DATA, CPU_ONLY)
+    assert resolve(config, DATA, CPU_ONLY, model_facts, world=World(rank=0, size=4)).checkpoint.format == "file"
+    single = resolve(make_config("model.name=vit_tiny6_patch7", "parallel.strategy=fsdp"), DATA, CPU_ONLY, model_facts)
     assert (single.world.tp_size, single.checkpoint.format) == (1, "file")
 
 
 def test_checkpoint_cadence_and_skip_limit_reach_the_plan():
     config = make_config("checkpoint.every_steps=500", "checkpoint.every_minutes=1.5", "train.max_skipped_steps=0")
-    plan = resolve(config, DATA, CPU_ONLY)
+    plan = resolve(config, DATA, CPU_ONLY, model_facts)
     assert (plan.checkpoint.every_steps, plan.checkpoint.every_s) == (500, 90.0)
     assert plan.loop.max_skipped_steps == 0
-    defaults = resolve(make_config(), DATA, CPU_ONLY)
+    defaults = resolve(make_config(), DATA, CPU_ONLY, model_facts)
     assert (defaults.checkpoint.every_steps, defaults.checkpoint.every_s) == (0, 0.0)
     assert defaults.loop.max_skipped_steps == 16
 

@@ -119,9 +119,9 @@ def test_auto_measures_fp32_faster_where_bf16_is_emulated(model):
     at the AVX-512 level bf16 came within 1.14x of fp32 on the EPYC, too close to assert on every CPU model,
     so there the choice is checked to be the fastest of the candidates it timed."""
     from tests.conftest import make_config
-    from vitrain.config import Hardware
     from vitrain.data import describe_source
     from vitrain.doctor import cpu, run_doctor
+    from vitrain.hardware import detect_hardware
     from vitrain.train.precision_choice import measure_precision
 
     level = _emulated_level()
@@ -131,7 +131,7 @@ def test_auto_measures_fp32_faster_where_bf16_is_emulated(model):
         assert set(line.data["img_s"]) >= {"fp32", "bf16 autocast", "bf16 o2"}
         return
     config = make_config(*VIT_TI4_32PX, "precision=auto", "precision_mode=auto")
-    measured = measure_precision(config, describe_source(config.data), Hardware.detect("cpu"))
+    measured = measure_precision(config, describe_source(config.data), detect_hardware("cpu"))
     assert {"fp32", "bf16 autocast", "bf16 o2"} <= set(measured.img_s), measured.describe()
     assert measured.chosen == max(measured.img_s, key=measured.img_s.get), measured.describe()
     if level == "avx2":

@@ -16,6 +16,7 @@ from tests.conftest import make_config
 from vitrain.config import ConfigError, DatasetInfo, Hardware, resolve
 from vitrain.data import build_loaders
 from vitrain.data.device_decode import DeviceDecoder, encoded_tensor
+from vitrain.models import model_facts
 from vitrain.train import make_plan
 
 CLASSES = ("ant", "bee")
@@ -129,4 +130,4 @@ DATA = DatasetInfo(num_train=1000, num_eval=10, num_classes=2, channels=3, mean=
 def test_gpu_decoding_is_refused_where_it_cannot_run(folder, extra, hardware, message):
     config = make_config("data.name=imagefolder", f"data.root={folder}", "data.decode=gpu", *extra)
     with pytest.raises(ConfigError, match=message):
-        resolve(config, DATA, hardware)
+        resolve(config, DATA, hardware, model_facts)

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
-from vitrain.checkpoint.sharded import export_model, read_checkpoint_model
+from vitrain.checkpoint.sharded import read_checkpoint_model
 from vitrain.config import ConfigError
+from vitrain.export import export_model
 from vitrain.models import build_model, load_weights
-from vitrain.models.teacher import TeacherError, load_teacher, teacher_source_kind
 from vitrain.train import make_plan, train
 from vitrain.train.build import build_run
 from vitrain.train.losses import DistillationLoss, TrainingLoss
+from vitrain.weights.teacher import TeacherError, load_teacher, teacher_source_kind
 
 # --- the model ------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
-from vitrain.checkpoint import onnx as onnx_export
+from vitrain.export import onnx as onnx_export
 from vitrain.cli import main
 from vitrain.config import model_overrides
 from vitrain.data import describe_source

@@ -170,7 +170,7 @@ def test_finetune_from_timm_weights_sets_the_model_and_loads_them(timm_weights, 
 
 def test_timm_weights_come_from_the_hugging_face_cache(timm_weights, tmp_path, monkeypatch):
     """Without train.init_weights the file the local hub cache holds is used; none there is a clear error."""
-    from vitrain.models.sources import WeightsSourceError, cached_timm_weights, read_init_weights
+    from vitrain.weights.sources import WeightsSourceError, cached_timm_weights, read_init_weights
 
     state_dict, path = timm_weights
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitrain import kernels
+from vitrain.hardware import detect_hardware
 from vitrain.kernels import converter
 from vitrain.kernels.converter import ChainedBlocks, _chains
 from vitrain.models import build_model
@@ -886,11 +887,11 @@ def test_the_bias_goes_inside_the_product_only_where_onednn_has_bf16(built, fres
 
 
 def test_a_bad_amx_switch_is_a_config_error_naming_it(fresh_paths, monkeypatch):
-    from vitrain.config import ConfigError, Hardware
+    from vitrain.config import ConfigError
 
     monkeypatch.setenv("VITRAIN_AMX", "maybe")
     with pytest.raises(ConfigError, match="VITRAIN_AMX='maybe' is not understood; use VITRAIN_AMX=off"):
-        Hardware.detect("cpu")
+        detect_hardware("cpu")
     fresh_paths.amx_allowed.cache_clear()
     monkeypatch.setenv("VITRAIN_AMX", "off")
     assert not fresh_paths.amx_allowed()

@@ -21,7 +21,6 @@ from vitrain.cli import main
 from vitrain.config import ConfigError
 from vitrain.data.transforms import batch_eval_resize
 from vitrain.models import build_model
-from vitrain.models.teacher import TeacherError
 from vitrain.models.volo import VOLOArgs
 from vitrain.token_labeling import label as labeling
 from vitrain.token_labeling.label import LabelSettings, dense_logits, label_training_set, top_k_maps
@@ -36,6 +35,7 @@ from vitrain.token_labeling.maps import (
     published_map_name,
 )
 from vitrain.train import make_plan
+from vitrain.weights.teacher import TeacherError
 
 
 def _images(count=2, size=14, seed=0):

@@ -26,6 +26,7 @@ from vitrain.data.mixing import (
     smoothed_one_hot,
 )
 from vitrain.metrics import read_jsonl
+from vitrain.models import model_facts
 from vitrain.train import make_plan, train
 from vitrain.train.losses import TrainingLoss
 from vitrain.train.step import TrainStep
@@ -240,16 +241,19 @@ def test_bad_mixing_values_name_the_key(overrides, key):
 )
 def test_resolve_refuses_mixing_it_cannot_do(overrides, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
-        resolve(make_config(*overrides), DATA, CPU_ONLY, world=World(0, 2))
+        resolve(make_config(*overrides), DATA, CPU_ONLY, model_facts, world=World(0, 2))
 
 
 def test_resolve_hands_the_loader_its_mixing_and_the_step_its_loss():
-    plan = resolve(make_config("data.cutmix_minmax=[0.2, 0.8]", "train.loss=bce"), DATA, CPU_ONLY)
+    plan = resolve(make_config("data.cutmix_minmax=[0.2, 0.8]", "train.loss=bce"), DATA, CPU_ONLY, model_facts)
     assert plan.data.mixing == mix_plan(mixup_alpha=0.0, cutmix_minmax=(0.2, 0.8), num_classes=DATA.num_classes)
     assert plan.step.loss == "bce"
-    assert resolve(make_config("data.mix_mode=elem", "train.batch_size=7"), DATA, CPU_ONLY).data.mixing is None
+    assert (
+        resolve(make_config("data.mix_mode=elem", "train.batch_size=7"), DATA, CPU_ONLY, model_facts).data.mixing
+        is None
+    )
     # the batch mode flips the batch: an odd batch's middle image is its own partner (not mixed)
-    odd = resolve(make_config("data.mixup=0.8", "train.batch_size=7"), DATA, CPU_ONLY)
+    odd = resolve(make_config("data.mixup=0.8", "train.batch_size=7"), DATA, CPU_ONLY, model_facts)
     assert odd.data.mixing.mode == "batch"
 
 

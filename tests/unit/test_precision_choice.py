@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import make_config
 from vitrain.config import DatasetInfo, Hardware, MeasuredPrecision, resolve
+from vitrain.models import model_facts
 from vitrain.train import make_plan, precision_choice, train
 from vitrain.train.precision_choice import Candidate, candidates, measure_precision
 
@@ -77,7 +78,7 @@ def test_the_fastest_candidate_is_taken_and_resolve_follows_it(cache_dir, monkey
     assert [label for label, _ in timed] == list(rates)  # native ops first, then the kernels within reach
     assert (measured.precision, measured.mode, measured.cpu_kernels) == ("bf16", "o2", "auto")
     assert measured.img_s == rates and measured.chosen == "bf16 o2 + fused kernels" and not measured.cached
-    plan = resolve(config, DATA, CPU, measured=measured)
+    plan = resolve(config, DATA, CPU, model_facts, measured=measured)
     assert (plan.precision.dtype, plan.precision.mode, plan.runtime.cpu_kernels) == ("bf16", "o2", "auto")
     assert plan.measured is measured
 
@@ -104,7 +105,9 @@ def test_kernels_are_not_built_where_bf16_cannot_come_within_their_reach(cache_d
     assert (measured.precision, measured.cpu_kernels) == ("fp32", "native")
     assert [label for label, _ in timed] == list(rates)
     assert "cannot win" in measured.skipped["bf16 o2 + fused kernels"]
-    plan = resolve(make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, CPU, measured=measured)
+    plan = resolve(
+        make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, CPU, model_facts, measured=measured
+    )
     assert (plan.precision.dtype, plan.runtime.cpu_kernels) == ("fp32", "native")
 
 
@@ -140,17 +143,17 @@ def test_explicit_settings_are_never_measured_or_overridden(cache_dir, monkeypat
     ):
         assert measure_precision(make_config(*TINY, *overrides), DATA, CPU) is None
     fp32 = MeasuredPrecision("fp32", "autocast", "native", {"fp32": 2.0, "bf16 o2": 1.0}, "fp32", 16)
-    plan = resolve(make_config(*TINY, "precision=bf16", "precision_mode=o2"), DATA, CPU, measured=fp32)
+    plan = resolve(make_config(*TINY, "precision=bf16", "precision_mode=o2"), DATA, CPU, model_facts, measured=fp32)
     assert (plan.precision.dtype, plan.precision.mode) == ("bf16", "o2")  # the measurement does not override
 
 
 def test_unmeasured_auto_falls_back_and_the_kernels_are_not_wanted_where_they_cannot_apply():
-    plan = resolve(make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, CPU)
+    plan = resolve(make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, CPU, model_facts)
     assert (plan.precision.dtype, plan.runtime.cpu_kernels) == ("fp32", "native")
     native = Hardware(cuda_available=False, bf16_supported=True, bf16_emulated=True)
-    plan = resolve(make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, native)
+    plan = resolve(make_config(*TINY, "precision=auto", "precision_mode=auto"), DATA, native, model_facts)
     assert (plan.precision.dtype, plan.precision.mode, plan.runtime.cpu_kernels) == ("bf16", "autocast", "native")
-    plan = resolve(make_config(*TINY, "precision=bf16", "precision_mode=o2"), DATA, CPU)
+    plan = resolve(make_config(*TINY, "precision=bf16", "precision_mode=o2"), DATA, CPU, model_facts)
     assert plan.runtime.cpu_kernels == "auto"
 
 
@@ -188,7 +191,7 @@ def test_a_candidate_the_run_itself_refuses_is_not_timed(cache_dir, monkeypatch)
     monkeypatch.setattr(precision_choice, "broadcast_object", lambda value: value)
     measured = measure_precision(config, DATA, CPU, World(rank=0, size=2))
     assert [label for label, _ in timed] == ["fp32", "bf16 autocast"] and measured.chosen == "bf16 autocast"
-    plan = resolve(config, DATA, CPU, world=World(rank=0, size=2), measured=measured)
+    plan = resolve(config, DATA, CPU, model_facts, world=World(rank=0, size=2), measured=measured)
     assert plan.precision.mode == "autocast"
 
 

@@ -21,10 +21,17 @@ from vitrain.config import Config, model_overrides
 from vitrain.data import Normalize
 from vitrain.data.decode import decode_image
 from vitrain.data.loader import draft_size
-from vitrain.data.sources import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD
+from vitrain.data.sources import (
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+)
 from vitrain.data.transforms import build_eval_transform
 from vitrain.models import build_model, model_spec
-from vitrain.predict import FASHION_MNIST_CLASSES, collect_image_paths, known_class_names
+from vitrain.predict import collect_image_paths
+from vitrain.weights.inference import known_class_names
 
 TINY_RUN = [
     "precision=fp32",

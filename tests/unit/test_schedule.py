@@ -29,10 +29,11 @@ def test_constant_and_warmup_start():
 def _plan(*overrides):
     from tests.conftest import make_config
     from vitrain.config import DatasetInfo, Hardware, resolve
+    from vitrain.models import model_facts
 
     data = DatasetInfo(num_train=1000, num_eval=100, num_classes=10, channels=1, mean=(0.5,), std=(0.25,))
     config = make_config("train.batch_size=100", "optim.lr=1.024", "schedule.min_lr_ratio=0.1", *overrides)
-    return resolve(config, data, Hardware(cuda_available=False, bf16_supported=False))
+    return resolve(config, data, Hardware(cuda_available=False, bf16_supported=False), model_facts)
 
 
 def test_budget_warms_up_over_images_then_decays_over_budget_seconds_to_the_floor():

@@ -14,9 +14,9 @@ from torchvision.ops import roi_align
 
 from tests.conftest import make_config
 from vitrain.config import ConfigError, DatasetInfo, Hardware, resolve
-from vitrain.models import VOLO, VOLOArgs, build_model
-from vitrain.models.convert import inferred_model_args, to_timm
+from vitrain.models import VOLO, VOLOArgs, build_model, model_facts
 from vitrain.models.flops import model_flops
+from vitrain.models.timm_weights import inferred_model_args, to_timm
 from vitrain.token_labeling import (
     TokenBox,
     apply_mix_token,
@@ -363,9 +363,11 @@ def test_aux_head_flops_match_the_measured_count(head):
 
 
 def test_aux_head_config_maps_to_each_family_and_refuses_what_does_not_combine():
-    plan = resolve(make_config("model.name=vit_tiny6_patch7", "model.aux_head=true"), DATA, CPU)
+    plan = resolve(make_config("model.name=vit_tiny6_patch7", "model.aux_head=true"), DATA, CPU, model_facts)
     assert plan.model.options["aux_head"] is True
-    volo = resolve(make_config("model.name=volo_d1", "data.image_size=32", "model.aux_head=false"), DATA, CPU)
+    volo = resolve(
+        make_config("model.name=volo_d1", "data.image_size=32", "model.aux_head=false"), DATA, CPU, model_facts
+    )
     assert volo.model.options["use_aux_head"] is False and "aux_head" not in volo.model.options
     assert build_model(volo.model.name, device="meta", **volo.model.arguments).aux_head is None
     with pytest.raises(ConfigError, match="model.aux_head=true with a distillation token"):
@@ -373,9 +375,10 @@ def test_aux_head_config_maps_to_each_family_and_refuses_what_does_not_combine()
             make_config("model.name=deit_tiny_distilled_patch16", "data.image_size=32", "model.aux_head=true"),
             DATA,
             CPU,
+            model_facts,
         )
     with pytest.raises(ConfigError, match="not an option of resnet50"):
-        resolve(make_config("model.name=resnet50", "data.image_size=32", "model.aux_head=true"), DATA, CPU)
+        resolve(make_config("model.name=resnet50", "data.image_size=32", "model.aux_head=true"), DATA, CPU, model_facts)
     with pytest.raises(ValueError, match="does not combine"):
         build_model("deit_tiny_distilled_patch16", device="meta", aux_head=True)
     with pytest.raises(ValueError, match="no token-labeling head"):

@@ -58,7 +58,7 @@ def _planned_model(plan: Plan) -> nn.Module:
 
 def _timm_architecture(name: str) -> tuple[str | None, str | None]:
     """timm's name for our variant, or for the plain ViT a locality ViT adds its FFN to; and that variant."""
-    from vitrain.models.convert import TIMM_NAMES
+    from vitrain.models.timm_weights import TIMM_NAMES
 
     for variant in (name, name.removeprefix("locality_")):
         if variant in TIMM_NAMES:

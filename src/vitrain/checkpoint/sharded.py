@@ -20,13 +20,12 @@ DCP's metadata classes, dtypes and sizes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -54,9 +53,6 @@ from vitrain.io import (
     fsync_dir,
 )
 from vitrain.parallel.distributed import active, barrier
-
-if TYPE_CHECKING:
-    from vitrain.config import Config, Plan
 
 COMPLETE_MARKER = "COMPLETE"
 EXTRAS_FILE = "extras.pt"
@@ -406,74 +402,10 @@ def read_checkpoint_model(path: Path, weights: str = "live") -> tuple[dict[str, 
     return payload[WEIGHTS_KEYS[weights]], info
 
 
-def export_model(checkpoint: Path, out: Path, weights: str = "live") -> int:
-    """Write a checkpoint's full model weights (either format; ``weights``: ``live`` or ``ema``) as one
-    safetensors file, the saved config and which weights in its metadata; returns the number of tensors."""
-    from safetensors.torch import save_file
-
-    tensors, info = read_checkpoint_model(checkpoint, weights)
-    out = Path(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"format": "vitrain-model-v1", "config": json.dumps(info.get("config", {})), "weights": weights}
-        save_file({key: value.contiguous() for key, value in tensors.items()}, str(out), metadata=metadata)
-    except OSError as error:
-        raise CheckpointError(f"cannot write {out}: {error.strerror or error}; choose a writable path") from None
-    return len(tensors)
-
-
-def build_exported_model(checkpoint: Path, weights: str = "live") -> tuple[nn.Module, Plan, Config, list[str] | None]:
-    """A checkpoint's model (either format; ``weights``: ``live`` or ``ema``) as the exports write it: built
-    by the registry from the saved config, on the CPU in fp32, with no converter applied; with the resolved
-    plan, the config and the class names (None when unknown)."""
-    from vitrain.models import build_model
-    from vitrain.predict import checkpoint_config, checkpoint_plan, known_class_names
-
-    tensors, info = read_checkpoint_model(checkpoint, weights)
-    config = checkpoint_config(info.get("config", {}), overrides=["train.device=cpu", "precision=fp32"])
-    plan = checkpoint_plan(config, info, tensors)
-    model = build_model(plan.model.name, **plan.model.arguments)
-    model.load_state_dict(tensors)
-    return model, plan, config, known_class_names(config.data, info, plan.model.num_classes)
-
-
-TIMM_WEIGHTS_FILE, TIMM_CONFIG_FILE = "model.safetensors", "config.json"
-
-
-def export_timm(checkpoint: Path, out: Path, weights: str = "live") -> dict[str, Any]:
-    """Write a checkpoint's model (either format; ``weights``: ``live`` or ``ema``) as a timm model folder
-    ``out``: ``model.safetensors`` in timm's layout and a Hugging Face hub ``config.json`` (architecture,
-    model arguments, input size, normalization, crop, class names), so that
-    ``timm.create_model("local-dir:OUT")`` builds and loads it. ConfigError for a model timm has no
-    equivalent of. Returns the timm architecture and the number of tensors."""
-    from safetensors.torch import save_file
-
-    from vitrain.config import ConfigError
-    from vitrain.models.convert import timm_hub_config, to_timm
-
-    model, plan, config, names = build_exported_model(checkpoint, weights)
-    try:
-        hub_config = timm_hub_config(plan.model.name, model, plan.data.mean, plan.data.std, config.data.crop_pct, names)
-    except ValueError as error:
-        raise ConfigError(f"--format timm: {error}; export vitrain's own format with --format safetensors") from None
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        timm_tensors = {key: value.contiguous() for key, value in to_timm(model).items()}
-        save_file(timm_tensors, str(out / TIMM_WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / TIMM_CONFIG_FILE).write_text(json.dumps(hub_config, indent=2) + "\n")
-    except OSError as error:
-        raise CheckpointError(f"cannot write {out}: {error.strerror or error}; choose a writable folder") from None
-    return {"architecture": hub_config["architecture"], "tensors": len(timm_tensors)}
-
-
 __all__ = [
     "COMPLETE_MARKER",
     "SafeFileSystemReader",
     "WEIGHTS_KEYS",
-    "build_exported_model",
-    "export_model",
-    "export_timm",
     "full_state",
     "is_complete",
     "is_sharded_checkpoint",

@@ -24,6 +24,8 @@ from vitrain.config.plan import (
     LoopPlan,
     MeasuredPrecision,
     MixPlan,
+    ModelFacts,
+    ModelLookup,
     ModelPlan,
     OptimizerPlan,
     ParallelPlan,
@@ -42,6 +44,7 @@ from vitrain.config.resolve import (
     parse_duration_s,
     precision_policy,
     resolve,
+    resolve_device,
 )
 from vitrain.config.schema import (
     CheckpointConfig,
@@ -69,6 +72,8 @@ __all__ = [
     "LoopPlan",
     "MeasuredPrecision",
     "MixPlan",
+    "ModelFacts",
+    "ModelLookup",
     "ModelPlan",
     "OptimizerPlan",
     "ParallelPlan",
@@ -100,4 +105,5 @@ __all__ = [
     "parse_override",
     "precision_policy",
     "resolve",
+    "resolve_device",
 ]

@@ -17,6 +17,7 @@ the raw config (``Plan.config``) except to record it (checkpoints, ``config.yaml
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -81,6 +82,23 @@ class World:
             size = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
             return cls(int(env["SLURM_PROCID"]), int(size), int(env.get("SLURM_LOCALID", 0)))
         return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What ``resolve()`` must know of a model family, handed in by the model catalog
+    (:func:`vitrain.models.model_facts`): the config layer imports nothing above it."""
+
+    args: Any
+    """The variant's default arguments (a dataclass; its fields are the options the family takes)."""
+    splits_heads: bool
+    """Tensor parallelism can split its blocks (ViT/DeiT blocks with the plain MLP FFN)."""
+    stem_problem: Callable[[int], str | None]
+    """Why the convolutional stem cannot make an input stride (None: it can)."""
+
+
+ModelLookup = Callable[[str], ModelFacts]
+"""Model name -> :class:`ModelFacts`; KeyError naming the known models for an unknown name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +279,7 @@ class DistillPlan:
     tau: float
     """Temperature of soft distillation."""
     teacher: str
-    """Run folder, checkpoint, .safetensors file or timm model name (``vitrain.models.teacher.load_teacher``)."""
+    """Run folder, checkpoint, .safetensors file or timm model name (``vitrain.weights.teacher.load_teacher``)."""
     teacher_weights: Path | None = None
     teacher_model: str | None = None
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from vitrain import torch_at_least
 from vitrain.config import plan as parts
-from vitrain.config.plan import MeasuredPrecision, Plan, Stage, World
-from vitrain.config.schema import Config, ConfigError, ModelConfig
+from vitrain.config.plan import MeasuredPrecision, ModelFacts, ModelLookup, Plan, Stage, World
+from vitrain.config.schema import CUDA_HALF_ONLY_IMPLS, CUDA_ONLY_IMPLS, Config, ConfigError, ModelConfig
+from vitrain.config.weights import WEIGHTS_SUFFIXES, init_source_kind, teacher_source_kind
 
 if TYPE_CHECKING:
     from vitrain.config.precision import PrecisionPolicy
@@ -98,18 +99,18 @@ def model_overrides(model: ModelConfig, args: Any = None) -> dict[str, Any]:
     return options
 
 
-def _resolve_patch_size(config: Config) -> int:
+def _model_facts(name: str, models: ModelLookup, key: str = "model.name") -> ModelFacts:
+    """What the model catalog knows of ``name``; an unknown name is a ConfigError on ``key``."""
+    try:
+        return models(name)
+    except KeyError as error:
+        raise ConfigError(f"{key}: {error.args[0]}") from None
+
+
+def _resolve_patch_size(config: Config, facts: ModelFacts) -> int:
     """The model's input stride (patch size; VOLO's patch x downsampling), after checking that every
     model option set in the config is an argument of this model family."""
-    import dataclasses
-
-    from vitrain.models import model_spec
-
-    try:
-        spec = model_spec(config.model.name)
-    except KeyError as error:
-        raise ConfigError(f"model.name: {error.args[0]}") from None
-    fields = {field.name for field in dataclasses.fields(spec.args)}
+    fields = {field.name for field in dataclasses.fields(facts.args)}
     accepted = [option for option in MODEL_OPTIONS if _argument_name(option, fields) is not None]
     for option in MODEL_OPTIONS:
         _require(
@@ -118,14 +119,10 @@ def _resolve_patch_size(config: Config) -> int:
             f"of {config.model.name}; set model.{option}=null (that family takes "
             f"{', '.join(sorted(accepted)) or 'none of the model.* options'})",
         )
-    patch = config.model.patch_size or getattr(spec.args, "total_stride", getattr(spec.args, "patch_size", 1))
-    if (config.model.stem or getattr(spec.args, "stem", None)) == "conv":  # set here or by the variant
-        from vitrain.models.layers import conv_stem_depth
-
-        try:
-            conv_stem_depth(patch)
-        except ValueError as error:
-            raise ConfigError(f"model.stem=conv: {error} (model.patch_size, data.image_size)") from None
+    patch = config.model.patch_size or getattr(facts.args, "total_stride", getattr(facts.args, "patch_size", 1))
+    if (config.model.stem or getattr(facts.args, "stem", None)) == "conv":  # set here or by the variant
+        problem = facts.stem_problem(patch)
+        _require(problem is None, f"model.stem=conv: {problem} (model.patch_size, data.image_size)")
     _require(
         config.data.image_size % patch == 0,
         f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "
@@ -134,7 +131,8 @@ def _resolve_patch_size(config: Config) -> int:
     return patch
 
 
-def _resolve_device(requested: str, cuda_available: bool) -> str:
+def resolve_device(requested: str, cuda_available: bool) -> str:
+    """``train.device`` -> the device a process runs on (``auto``: CUDA where there is one)."""
     if requested == "auto":
         return "cuda" if cuda_available else "cpu"
     _require(
@@ -204,27 +202,6 @@ class Hardware:
     """bf16 still runs, converted in software (any CPU): allowed when asked for or measured faster."""
     amx_tiles: bool = False
     """The CPU has AMX-BF16 tiles vitrain's kernels may use (``VITRAIN_AMX`` not off)."""
-
-    @classmethod
-    def detect(cls, device: str = "auto") -> Hardware:
-        import torch
-
-        cuda = torch.cuda.is_available()
-        on_cuda = cuda and device != "cpu"
-        if on_cuda:
-            return cls(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported())
-        from vitrain import cpu_features
-
-        try:
-            cpu_features.amx_allowed()  # a bad VITRAIN_AMX fails here, before any work
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        return cls(
-            cuda_available=cuda,
-            bf16_supported=cpu_features.cpu_bf16_native(),
-            bf16_emulated=True,
-            amx_tiles=cpu_features.amx_tiles_possible(),
-        )
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
@@ -327,17 +304,14 @@ def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, 
     return (*stages, Stage(final_size, config.train.batch_size))
 
 
-def _tensor_parallel_shape(config: Config) -> tuple[int, int] | None:
+def _tensor_parallel_shape(config: Config, facts: ModelFacts) -> tuple[int, int] | None:
     """Heads and FFN width of a model whose blocks tensor parallelism can split (ViT/DeiT blocks with the
     plain MLP FFN); None for the other families."""
-    from vitrain.models import model_spec
-    from vitrain.models.vit import VisionTransformer
-
-    spec = model_spec(config.model.name)
-    if spec.builder is not VisionTransformer or spec.args.ffn != "mlp":
+    if not facts.splits_heads:
         return None
-    ratio = config.model.mlp_ratio or spec.args.mlp_ratio
-    return config.model.num_heads or spec.args.num_heads, spec.args.mlp_dim or int(spec.args.embed_dim * ratio)
+    args = facts.args
+    ratio = config.model.mlp_ratio or args.mlp_ratio
+    return config.model.num_heads or args.num_heads, args.mlp_dim or int(args.embed_dim * ratio)
 
 
 # Optimizers whose update needs each whole tensor, and why (refused where a strategy shards tensors).
@@ -377,7 +351,9 @@ def _check_torch_runs(strategy: str) -> None:
     )
 
 
-def _resolve_parallel(config: Config, world: World, precision: str, mode: str, cuda: bool) -> tuple[World, str]:
+def _resolve_parallel(
+    config: Config, world: World, precision: str, mode: str, cuda: bool, facts: ModelFacts
+) -> tuple[World, str]:
     """The world with its tensor-parallel degree, and the checkpoint format; every unsupported combination
     of strategy, model, precision and process count is refused here, naming the key."""
     parallel = config.parallel
@@ -395,7 +371,7 @@ def _resolve_parallel(config: Config, world: World, precision: str, mode: str, c
             f"parallel.tp_size={tp_size} with {world.size} processes: tp uses all processes (tp_size=0 or "
             f"{world.size}); fsdp+tp needs a tp_size that divides {world.size} and is smaller",
         )
-        shape = _tensor_parallel_shape(config)
+        shape = _tensor_parallel_shape(config, facts)
         _require(
             shape is not None,
             f"parallel.strategy={strategy}: tensor parallelism splits ViT/DeiT blocks (attention heads and the "
@@ -496,8 +472,6 @@ def _check_inputs(config: Config, data: DatasetInfo, precision: str, mode: str, 
 def _check_pinned_attention(impl: str | None, precision: str, device: str) -> None:
     """A pinned SDPA kernel the run's device or precision lacks fails at the first step with torch's "No
     available kernel": refuse it here, naming what does run."""
-    from vitrain.models.layers import CUDA_HALF_ONLY_IMPLS, CUDA_ONLY_IMPLS
-
     _require(
         impl not in CUDA_ONLY_IMPLS or device.startswith("cuda"),
         f"model.attn_impl={impl} pins an SDPA kernel that exists on CUDA only and this run is on {device}; "
@@ -594,12 +568,10 @@ def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False)
     )
 
 
-def _model_plan(config: Config, data: DatasetInfo, patch: int) -> parts.ModelPlan:
-    from vitrain.models import model_spec
-
+def _model_plan(config: Config, data: DatasetInfo, patch: int, facts: ModelFacts) -> parts.ModelPlan:
     return parts.ModelPlan(
         name=config.model.name,
-        options=model_overrides(config.model, model_spec(config.model.name).args),
+        options=model_overrides(config.model, facts.args),
         image_size=config.data.image_size,
         in_chans=data.channels,
         num_classes=data.num_classes,
@@ -763,11 +735,9 @@ def _ema_plan(config: Config, total_steps: int | None) -> parts.EmaPlan:
     )
 
 
-def _check_distill_token(config: Config) -> bool:
+def _check_distill_token(config: Config, facts: ModelFacts) -> bool:
     """Whether the student has a distillation token (set here or by the variant), which needs the CLS head."""
-    from vitrain.models import model_spec
-
-    args = model_spec(config.model.name).args
+    args = facts.args
     token = (
         config.model.distill_token if config.model.distill_token is not None else getattr(args, "distill_token", False)
     )
@@ -802,8 +772,6 @@ def profile_window(text: str | None) -> tuple[int, int] | None:
 
 def _check_init_source(train: Any) -> None:
     """``train.init_from`` names something that holds weights; ``train.init_weights`` only with timm:NAME."""
-    from vitrain.models.sources import WEIGHTS_SUFFIXES, init_source_kind
-
     if train.init_from is None:
         _require(train.init_weights is None, "train.init_weights is for train.init_from=timm:NAME; set both or neither")
         return
@@ -827,11 +795,8 @@ def _check_init_source(train: Any) -> None:
     )
 
 
-def _check_teacher_source(train: Any) -> None:
+def _check_teacher_source(train: Any, models: ModelLookup) -> None:
     """The teacher's files exist and the keys fit its kind (a timm name needs its local weights file)."""
-    from vitrain.models import model_spec
-    from vitrain.models.teacher import WEIGHTS_SUFFIXES, teacher_source_kind
-
     kind = teacher_source_kind(train.teacher)
     if kind == "timm":
         _require(
@@ -860,17 +825,14 @@ def _check_teacher_source(train: Any) -> None:
         "train.teacher_model names the model of a .safetensors teacher; remove it for other teachers",
     )
     if train.teacher_model is not None:
-        try:
-            model_spec(train.teacher_model)
-        except KeyError as error:
-            raise ConfigError(f"train.teacher_model: {error.args[0]}") from None
+        _model_facts(train.teacher_model, models, "train.teacher_model")
 
 
-def _distill_plan(config: Config) -> parts.DistillPlan | None:
+def _distill_plan(config: Config, facts: ModelFacts, models: ModelLookup) -> parts.DistillPlan | None:
     """Knowledge distillation; the teacher keys without train.distill, or distillation without a teacher,
     are mistakes. Loading the teacher (and checking its classes and image size) waits for the build."""
     train = config.train
-    _check_distill_token(config)
+    _check_distill_token(config, facts)
     if train.distill == "none":
         for key in ("teacher", "teacher_weights", "teacher_model"):
             _require(
@@ -883,7 +845,7 @@ def _distill_plan(config: Config) -> parts.DistillPlan | None:
         f"train.distill={train.distill} needs a teacher: set train.teacher to a run folder, checkpoint, "
         ".safetensors file or timm model name",
     )
-    _check_teacher_source(train)
+    _check_teacher_source(train, models)
     return parts.DistillPlan(
         kind=train.distill,
         alpha=train.distill_alpha,
@@ -913,12 +875,10 @@ def _check_no_token_label_keys(train: Any) -> None:
         )
 
 
-def _token_label_plan(config: Config, num_classes: int, patch: int) -> parts.TokenLabelPlan | None:
+def _token_label_plan(config: Config, num_classes: int, patch: int, facts: ModelFacts) -> parts.TokenLabelPlan | None:
     """Token labeling (``data.token_labels``); its train.* keys without it, or with what its targets cannot
     follow (pixel mixing, translation, distillation, a model without an auxiliary head), are mistakes. The
     maps themselves are opened and checked against the training images at the build."""
-    from vitrain.models import model_spec
-
     data, train = config.data, config.train
     if data.token_labels is None:
         _check_no_token_label_keys(train)
@@ -950,7 +910,7 @@ def _token_label_plan(config: Config, num_classes: int, patch: int) -> parts.Tok
         f"train.distill={train.distill} with data.token_labels: use one teacher signal; set train.distill=none "
         "or data.token_labels=null",
     )
-    args = model_spec(config.model.name).args
+    args = facts.args
     default_aux = getattr(args, "aux_head", getattr(args, "use_aux_head", None))
     aux_head = config.model.aux_head if config.model.aux_head is not None else default_aux
     _require(
@@ -975,15 +935,15 @@ def _token_label_plan(config: Config, num_classes: int, patch: int) -> parts.Tok
 
 
 def _training_parts(
-    config: Config, num_classes: int, patch: int, cpu_kernels: str
+    config: Config, num_classes: int, patch: int, cpu_kernels: str, facts: ModelFacts, models: ModelLookup
 ) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
     train = config.train
     step = parts.StepPlan(
         label_smoothing=train.label_smoothing,
         grad_clip=config.optim.grad_clip,
         loss=train.loss,
-        distill=_distill_plan(config),
-        token_labels=_token_label_plan(config, num_classes, patch),
+        distill=_distill_plan(config, facts, models),
+        token_labels=_token_label_plan(config, num_classes, patch, facts),
     )
     return (
         step,
@@ -1031,21 +991,25 @@ def resolve(
     config: Config,
     data: DatasetInfo,
     hardware: Hardware,
+    models: ModelLookup,
     now: str = "now",
     world: World | None = None,
     measured: MeasuredPrecision | None = None,
 ) -> Plan:
-    """Derive every number of the run from ``config``; raise ConfigError on any user mistake. ``measured``:
-    what timing the run's step chose for its ``auto`` precision, mode and CPU kernels (``make_plan`` measures)."""
+    """Derive every number of the run from ``config``; raise ConfigError on any user mistake. The facts are
+    given: the data's (``data``), the machine's (``hardware``), the model catalog's (``models``: name ->
+    :class:`ModelFacts`, :func:`vitrain.models.model_facts`) and, for ``auto``, what timing the run's step
+    chose for its precision, mode and CPU kernels (``measured``; ``make_plan`` measures)."""
     world = world or World()
-    patch = _resolve_patch_size(config)
+    facts = _model_facts(config.model.name, models)
+    patch = _resolve_patch_size(config, facts)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
-    device = _resolve_device(config.train.device, hardware.cuda_available)
+    device = resolve_device(config.train.device, hardware.cuda_available)
     if world.size > 1 and device == "cuda":
         device = f"cuda:{world.local_rank}"  # one GPU per process
     precision, mode = _resolve_precision(config, hardware, measured)
     _check_inputs(config, data, precision, mode, device)
-    world, checkpoint_format = _resolve_parallel(config, world, precision, mode, hardware.cuda_available)
+    world, checkpoint_format = _resolve_parallel(config, world, precision, mode, hardware.cuda_available, facts)
     parallel = _parallel_plan(config, world, device)
     duration = _resolve_duration(config, steps_per_epoch)
     out_dir = Path(config.train.out_dir.format(recipe=config.recipe, time=now))
@@ -1054,7 +1018,7 @@ def resolve(
     _check_batches_split(batch.global_batch, batch.eval_batch, stages, world)
     lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
     cpu_kernels = _resolve_cpu_kernels(config, device, precision, mode, hardware, measured)
-    step, runtime, loop = _training_parts(config, data.num_classes, patch, cpu_kernels)
+    step, runtime, loop = _training_parts(config, data.num_classes, patch, cpu_kernels, facts, models)
     mixing = _mix_plan(config, data.num_classes, stages, batch)
     schedule = _schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages)
     return Plan(
@@ -1063,7 +1027,7 @@ def resolve(
         out_dir=out_dir,
         seed=config.train.seed,
         world=world,
-        model=_model_plan(config, data, patch),
+        model=_model_plan(config, data, patch, facts),
         batch=batch,
         precision=precision_policy(precision, mode, device, parallel.fsdp),
         parallel=parallel,

@@ -20,6 +20,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+CUDA_ONLY_IMPLS = ("sdpa_efficient", "sdpa_cudnn")
+"""Pinned SDPA kernels (``model.attn_impl``) that exist on CUDA only (the CPU has flash and math)."""
+
+CUDA_HALF_ONLY_IMPLS = ("sdpa_flash", "sdpa_cudnn")
+"""Pinned SDPA kernels that take only bf16/fp16 inputs on CUDA."""
+
+
 class ModelConfig(Section):
     name: str = "locality_vit_tiny6_patch7"
     """Registered model variant (see `vitrain list-models`)."""

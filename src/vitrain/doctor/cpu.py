@@ -12,6 +12,7 @@ import torch
 
 from vitrain import cpu_features
 from vitrain.doctor.report import Check, Context
+from vitrain.hardware import detect_hardware
 from vitrain.kernels import build
 from vitrain.metrics.peak import measure_cpu_peak
 
@@ -83,7 +84,7 @@ def _probe_data(config) -> tuple[Any, str]:
 def check_auto_precision(context: Context) -> list[Check]:
     """What ``precision=auto`` (and ``precision_mode``/``train.cpu_kernels`` auto) choose for the recipe's
     model on this CPU, by timing its step as a run does (cached; fused kernels not built yet are left out)."""
-    from vitrain.config import Hardware, precision_policy
+    from vitrain.config import precision_policy
     from vitrain.train.precision_choice import measure_precision
 
     if context.device == "cuda":
@@ -91,7 +92,7 @@ def check_auto_precision(context: Context) -> list[Check]:
     config = context.config.model_copy(deep=True)
     config.train.device = "cpu"
     info, note = _probe_data(config)
-    measured = measure_precision(config, info, Hardware.detect("cpu"), may_build=False)
+    measured = measure_precision(config, info, detect_hardware("cpu"), may_build=False)
     if measured is None:
         picked = config.precision if config.precision != "auto" else "fp32"
         return [Check(SECTION, "precision=auto", "PASS", f"{picked} (nothing to choose: one candidate)")]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitrain.models.layers import resample_pos_embed
+from vitrain.config import ModelFacts
+from vitrain.models.layers import conv_stem_depth, resample_pos_embed
 from vitrain.models.localvit import LOCALVIT_SIZES
 from vitrain.models.resnet import ResNet, ResNetArgs, build_resnet
 from vitrain.models.vit import VisionTransformer, ViTArgs, build_localvit
@@ -41,6 +42,22 @@ def model_spec(name: str) -> ModelSpec:
         hint = f"did you mean {close[0]!r}?" if close else "see `vitrain list-models`"
         raise KeyError(f"unknown model {name!r}; {hint}")
     return _REGISTRY[name]
+
+
+def _stem_problem(stride: int) -> str | None:
+    try:
+        conv_stem_depth(stride)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def model_facts(name: str) -> ModelFacts:
+    """What ``resolve()`` needs of variant ``name`` (its default arguments, whether tensor parallelism splits
+    its blocks, what its convolutional stem allows); KeyError naming the known models when there is none."""
+    spec = model_spec(name)
+    splits = spec.builder is VisionTransformer and getattr(spec.args, "ffn", None) == "mlp"
+    return ModelFacts(args=spec.args, splits_heads=splits, stem_problem=_stem_problem)
 
 
 def list_models() -> list[ModelSpec]:
@@ -276,6 +293,7 @@ __all__ = [
     "list_models",
     "load_pretrained",
     "load_weights",
+    "model_facts",
     "model_spec",
     "num_parameters",
     "register_model",

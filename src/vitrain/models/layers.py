@@ -216,12 +216,6 @@ SDPA_BACKENDS = {
 }
 """The SDPA kernels an attention core can be pinned to, by ``SDPBackend`` member."""
 
-CUDA_ONLY_IMPLS = ("sdpa_efficient", "sdpa_cudnn")
-"""Pinned SDPA kernels that exist on CUDA only (the CPU has flash and math)."""
-
-CUDA_HALF_ONLY_IMPLS = ("sdpa_flash", "sdpa_cudnn")
-"""Pinned SDPA kernels that take only bf16/fp16 inputs on CUDA."""
-
 
 class SdpaAttention(nn.Module):
     """Attention core by ``F.scaled_dot_product_attention``: fused qkv ``(B, N, 3 * heads * head_dim)`` to

@@ -207,7 +207,7 @@ def _stand_in_kind(key: str, value: object) -> str | None:
     """``file`` or ``folder``: what stands in for the cluster path ``key=value``; None where ``value`` is no
     path (timm:NAME, a teacher's timm name: no separator, no weights suffix) or resolve reads no file
     (data.root: only its form, which stays)."""
-    from vitrain.models.sources import TIMM_PREFIX, WEIGHTS_SUFFIXES
+    from vitrain.config.weights import TIMM_PREFIX, WEIGHTS_SUFFIXES
 
     text = str(value)
     if key == "data.root" or text.startswith(TIMM_PREFIX):
@@ -256,11 +256,14 @@ def check_train_config(config: Config, processes: int) -> Plan:
     weights suffix). The plan is for checking only (the precision unmeasured)."""
     from vitrain.config import ConfigError, Hardware, World, resolve
     from vitrain.data.sources import nominal_source_info
+    from vitrain.models import model_facts
 
     hardware = Hardware(cuda_available=True, bf16_supported=True)
     with _cluster_paths_stood_in(config) as (stood_in, given):
         try:
-            return resolve(stood_in, nominal_source_info(config.data), hardware, world=World(size=processes))
+            return resolve(
+                stood_in, nominal_source_info(config.data), hardware, model_facts, world=World(size=processes)
+            )
         except ConfigError as error:
             message = str(error)
             for stand_in, value in given.items():

@@ -41,7 +41,6 @@ from vitrain.config.precision import PrecisionPolicy
 from vitrain.data import sources
 from vitrain.data.loader import BadImageLog, ImageFileDataset, draft_size, in_memory_split
 from vitrain.data.transforms import Normalize, batch_eval_resize, build_eval_transform
-from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.models.vit import VisionTransformer
 from vitrain.models.volo import VOLO
 from vitrain.parallel.distributed import barrier, gather_objects
@@ -55,6 +54,7 @@ from vitrain.token_labeling.maps import (
     in_memory_sample_keys,
     sample_keys_of_paths,
 )
+from vitrain.weights.teacher import TeacherError, load_teacher
 
 log = logging.getLogger("vitrain")
 DEFAULT_TOPK = 5

@@ -44,8 +44,6 @@ from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.data.sources import image_folder_root, image_folder_samples
 from vitrain.io import write_file_atomic
 from vitrain.models import build_model, load_pretrained
-from vitrain.models.sources import WeightsSourceError, read_init_weights
-from vitrain.models.teacher import TeacherError, load_teacher
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
 from vitrain.token_labeling.mixtoken import apply_mix_token
@@ -56,6 +54,9 @@ from vitrain.train.host_memory import configure_host_allocator
 from vitrain.train.optim import build_optimizer
 from vitrain.train.state import TrainState
 from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
+from vitrain.weights.inference import inference_record
+from vitrain.weights.sources import WeightsSourceError, read_init_weights
+from vitrain.weights.teacher import TeacherError, load_teacher
 
 log = logging.getLogger("vitrain")
 
@@ -208,7 +209,8 @@ def _class_names_record(data: DataPlan) -> dict[str, list[str]]:
 
 
 def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], ema: ModelEma | None) -> RunCheckpoints:
-    """Stage 8: the run folder's checkpoints and what each one saves."""
+    """Stage 8: the run folder's checkpoints and what each one saves (inference's record included)."""
+    names = _class_names_record(plan.data)
     return RunCheckpoints(
         manager=CheckpointManager(plan.out_dir, plan.checkpoint.keep_last),
         model=step_fn.model,
@@ -226,8 +228,9 @@ def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], 
                 "precision": plan.precision.dtype,
                 "precision_mode": plan.precision.mode,
                 "ema_decay": plan.ema.decay,
-                **_class_names_record(plan.data),
+                **names,
             },
+            "inference": inference_record(plan, names.get("class_names")),
         },
         world=plan.world,
         seed=plan.seed,

@@ -8,8 +8,10 @@ import dataclasses
 import time
 
 from vitrain import cpu_features
-from vitrain.config import Config, Hardware, Plan, World, resolve
+from vitrain.config import Config, Plan, World, resolve
 from vitrain.data import describe_source
+from vitrain.hardware import detect_hardware
+from vitrain.models import model_facts
 from vitrain.parallel.distributed import broadcast_object
 from vitrain.train.precision_choice import measure_precision
 
@@ -22,7 +24,9 @@ def make_plan(config: Config, world: World | None = None, measure: bool = True) 
     checking the resume point and the run folder."""
     world = world or World()
     now = broadcast_object(time.strftime("%Y%m%d-%H%M%S"))  # one run folder for all processes
-    plan = resolve(config, describe_source(config.data), Hardware.detect(config.train.device), now=now, world=world)
+    plan = resolve(
+        config, describe_source(config.data), detect_hardware(config.train.device), model_facts, now=now, world=world
+    )
     if config.precision == "bf16":  # asked for; auto takes it only where it measures faster
         cpu_features.warn_if_bf16_emulated(plan.device, plan.precision.dtype)
     return with_measured_choices(plan) if measure else plan
@@ -35,9 +39,11 @@ def with_measured_choices(plan: Plan) -> Plan:
     if plan.measured is not None:
         return plan
     config = plan.config
-    info, hardware = describe_source(config.data), Hardware.detect(config.train.device)
+    info, hardware = describe_source(config.data), detect_hardware(config.train.device)
     measured = measure_precision(config, info, hardware, plan.world)
     if measured is None:
         return plan
     world = dataclasses.replace(plan.world, tp_size=1)  # resolve derives it again
-    return dataclasses.replace(resolve(config, info, hardware, world=world, measured=measured), out_dir=plan.out_dir)
+    return dataclasses.replace(
+        resolve(config, info, hardware, model_facts, world=world, measured=measured), out_dir=plan.out_dir
+    )

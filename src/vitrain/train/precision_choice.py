@@ -38,6 +38,7 @@ from vitrain import kernels
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from vitrain.config import Config, ConfigError, DatasetInfo, Hardware, MeasuredPrecision, Plan, World, resolve
 from vitrain.config.resolve import kernels_can_apply
+from vitrain.models import model_facts
 from vitrain.parallel.distributed import active as distributed_active
 from vitrain.parallel.distributed import broadcast_object
 from vitrain.train.choices import cache_path, device_key, measured_entry
@@ -197,7 +198,7 @@ class _Probe:
         self.best_first_s: float | None = None
 
     def plan_of(self, candidate: Candidate) -> Plan:
-        return resolve(candidate.apply(probe_config(self.config, self.batch)), self.info, self.hardware)
+        return resolve(candidate.apply(probe_config(self.config, self.batch)), self.info, self.hardware, model_facts)
 
     def best_step_s(self) -> float | None:
         return self.batch / max(self.img_s.values()) if self.img_s else None
@@ -248,7 +249,7 @@ def _measure(
     config: Config, info: DatasetInfo, hardware: Hardware, batch: int, found: list[Candidate], may_build: bool
 ) -> dict[str, Any]:
     """The cache entry: each candidate's img/s, those skipped and why, the batch timed and the choice."""
-    batch = affordable_batch(resolve(probe_config(config, batch), info, hardware), batch)
+    batch = affordable_batch(resolve(probe_config(config, batch), info, hardware, model_facts), batch)
     probe = _Probe(config, info, hardware, batch, may_build)
     native = [candidate for candidate in found if candidate.kernels != "fused"]
     step_s = probe.measure(native[0], MAX_STEP_S) if native else None
@@ -284,7 +285,7 @@ def _runs_as_configured(
     """Whether the run itself admits the candidate (tensor parallelism refuses O2, FSDP fp16, ...): the probe
     times a single process, which admits more."""
     try:
-        resolve(candidate.apply(config), info, hardware, world=world)
+        resolve(candidate.apply(config), info, hardware, model_facts, world=world)
     except ConfigError:
         return False
     return True
@@ -297,7 +298,9 @@ def measure_precision(
     run first, so that its mistakes are reported before any measurement. ``may_build=False`` (the doctor):
     fused kernels not yet built are left out, not built."""
     world = world or World()
-    plan = resolve(config, info, hardware, world=world)  # the run's device and batch; errors before any work
+    plan = resolve(
+        config, info, hardware, model_facts, world=world
+    )  # the run's device and batch; errors before any work
     found = [
         candidate
         for candidate in candidates(config, plan.device, hardware)

@@ -201,13 +201,13 @@ def export_onnx(checkpoint: Path, out: Path, weights: str = "live") -> dict[str,
     """Write a checkpoint's model (either format; ``weights``: ``live`` or ``ema``) as the ONNX file ``out``
     at the run's image size, with the evaluation transform and class names in its metadata, checked with
     onnxruntime (:func:`export_onnx_model`; its result, plus the model's name)."""
-    from vitrain.checkpoint.sharded import build_exported_model
+    from vitrain.weights.inference import exported_model
 
     require_onnx_packages()  # before reading the checkpoint: fail fast
-    model, plan, config, names = build_exported_model(checkpoint, weights)
+    model, plan = exported_model(checkpoint, weights)
     input_size = (plan.model.in_chans, plan.model.image_size, plan.model.image_size)
     metadata = transform_metadata(
-        plan.model.name, input_size, plan.data.mean, plan.data.std, config.data.crop_pct, names
+        plan.model.name, input_size, plan.mean, plan.std, plan.data.crop_pct, plan.class_names
     )
     metadata["weights"] = weights
     return {"model": plan.model.name, **export_onnx_model(model, out, input_size, metadata)}

@@ -13,17 +13,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
-"""Weights files a timm model's weights are read from."""
-
-TIMM_PREFIX = "timm:"
-"""``train.init_from=timm:NAME``: fine-tune from timm's weights of model NAME."""
-
-SourceKind = Literal["run", "checkpoint", "safetensors", "timm"]
+from vitrain.config.weights import TIMM_PREFIX, SourceKind, init_source_kind
 
 
 class WeightsSourceError(ValueError):
@@ -125,15 +119,6 @@ def cached_timm_weights(name: str) -> Path:
     )
 
 
-def init_source_kind(source: str | Path) -> SourceKind:
-    """What ``train.init_from`` names: ``timm:NAME``, a ``.safetensors`` file, or a checkpoint (a
-    ``step-N.pt`` file, a sharded ``step-N/`` folder, or a run folder: its best)."""
-    text = str(source)
-    if text.startswith(TIMM_PREFIX):
-        return "timm"
-    return "safetensors" if Path(text).suffix == ".safetensors" else "checkpoint"
-
-
 ARCHITECTURE_KEYS = ("patch_size", "head", "stem", "mlp_ratio", "num_heads", "distill_token", "aux_head")
 """Model config keys that timm weights fix when they start a fine-tuning run: read from the tensors, else
 the variant's (None); the recipe keeps the rest (attention kernel, dropout, stochastic depth)."""
@@ -153,7 +138,7 @@ def read_init_weights(
             )
         return read_vitrain_weights(Path(source), kind)
     from vitrain.models import model_spec
-    from vitrain.models.convert import inferred_model_args, variant_for_timm
+    from vitrain.models.timm_weights import inferred_model_args, variant_for_timm
 
     name = str(source)[len(TIMM_PREFIX) :]
     try:

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitrain.config.weights import WEIGHTS_SUFFIXES, teacher_source_kind
 from vitrain.models import build_model, load_weights, model_spec
-from vitrain.models.convert import inferred_model_args
-from vitrain.models.sources import (
-    WEIGHTS_SUFFIXES,
-    SourceKind,
+from vitrain.models.timm_weights import inferred_model_args
+from vitrain.weights.sources import (
     WeightsSourceError,
     read_vitrain_weights,
     read_weights_file,
@@ -36,19 +35,6 @@ __all__ = ["WEIGHTS_SUFFIXES", "TeacherError", "load_teacher", "teacher_source_k
 
 class TeacherError(WeightsSourceError):
     """A teacher that cannot be loaded; the message says which file or name and what to do."""
-
-
-def teacher_source_kind(source: str | Path) -> SourceKind:
-    """What ``source`` names, from its form alone: a run folder (a folder without a sharded checkpoint's
-    metadata), a checkpoint, a ``.safetensors`` file, or (no path separator, no known suffix) a timm name."""
-    path = Path(source)
-    if path.is_dir():
-        return "checkpoint" if (path / ".metadata").is_file() else "run"
-    if path.suffix == ".safetensors":
-        return "safetensors"
-    if path.is_file() or "/" in str(source) or path.suffix in WEIGHTS_SUFFIXES:
-        return "checkpoint"
-    return "timm"
 
 
 def load_teacher(
