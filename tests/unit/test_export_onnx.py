@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.conftest import SMALL_SYNTHETIC_RUN, make_config
-from vitrain.export import onnx as onnx_export
 from vitrain.cli import main
 from vitrain.config import model_overrides
 from vitrain.data import describe_source
+from vitrain.export import onnx as onnx_export
 from vitrain.models import build_model, model_spec
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime checks the export ([onnx] and [dev] extras)")
