@@ -176,7 +176,9 @@ def test_class_names_come_from_the_record_else_the_data_else_class_n(folder_run,
     state, info = read_checkpoint_model(find_latest_checkpoint(folder_run))
     config = Config.model_validate(info["config"])
     assert info["plan"]["class_names"] == ["n01", "n02", "n03"]
-    old = {**info, "plan": {key: value for key, value in info["plan"].items() if key != "class_names"}}
+    assert info["inference"]["class_names"] == ["n01", "n02", "n03"]
+    old = {key: value for key, value in info.items() if key != "inference"}  # as checkpoints before the record
+    old["plan"] = {key: value for key, value in info["plan"].items() if key != "class_names"}
     assert known_class_names(config.data, old, 3) == ["n01", "n02", "n03"]  # read from data.root
     gone = config.data.model_copy(update={"root": tmp_path / "moved"})
     assert known_class_names(gone, info, 3) == ["n01", "n02", "n03"]  # recorded: no data needed
@@ -268,3 +270,56 @@ def test_a_model_with_a_token_labeling_head_predicts_with_it(tmp_path, capsys):
     assert "aux_head.weight" in state
     ours = torch.tensor([entry["prob"] for entry in sorted(json.loads(out)["top"], key=lambda entry: entry["index"])])
     assert torch.allclose(ours, _reference(run, [picture])[0], atol=1e-5)  # the forward: class + 0.5 x aux max
+
+
+def _refuse_resolution(monkeypatch) -> None:
+    """Every name bound to ``resolve()`` or ``make_plan()`` raises."""
+    import sys
+
+    from vitrain.config import resolve
+    from vitrain.train import make_plan
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a training plan was resolved")
+
+    for module in list(sys.modules.values()):
+        for name, value in list(vars(module).items()) if module is not None else ():
+            if value is resolve or value is make_plan:
+                monkeypatch.setattr(module, name, refuse)
+
+
+def _without_inference_record(checkpoint: Path, out: Path) -> Path:
+    """A copy of ``checkpoint`` as checkpoints were written before they recorded what inference needs."""
+    payload = torch.load(checkpoint, weights_only=True)
+    out.parent.mkdir(parents=True)
+    torch.save({key: value for key, value in payload.items() if key != "inference"}, out)
+    return out
+
+
+def test_predict_and_export_build_the_model_without_resolving_a_plan(folder_run, images, tmp_path, capsys, monkeypatch):
+    """The checkpoint's inference record alone: predict and every export format with resolve() refused, and
+    the same from a checkpoint without the record (its saved config and weights)."""
+    pytest.importorskip("onnxruntime", reason="the ONNX export is checked with onnxruntime ([onnx] extra)")
+    one_step = ("data.name=synthetic", "data.synthetic_num_train=32", "data.synthetic_num_eval=8")
+    timm_run = _train(tmp_path / "timm-run", *one_step, "model.name=vit_tiny_patch16", "data.image_size=16")
+    capsys.readouterr()
+    runs = {"folder": folder_run, "timm": timm_run}
+    for name, run in list(runs.items()):
+        runs[f"{name}-old"] = _without_inference_record(
+            find_latest_checkpoint(run), tmp_path / "old" / name / "step.pt"
+        )
+    _refuse_resolution(monkeypatch)
+    expected = {}
+    for name, source in runs.items():
+        code, out, _ = _predict(capsys, source, str(images / "plain0.JPEG"), "--json")
+        assert code == 0
+        top = json.loads(out)["top"]
+        assert top == expected.setdefault(name.removesuffix("-old"), top)  # the record and the old form agree
+        formats = ("timm", "safetensors") if name.startswith("timm") else ("safetensors", "onnx")
+        for form in formats:
+            target = tmp_path / "exports" / name / form
+            assert main(["export", "--checkpoint", str(source), "--out", str(target), "--format", form]) == 0
+            assert json.loads(capsys.readouterr().out.splitlines()[-1])["format"] == form
+    hub = json.loads((tmp_path / "exports" / "timm-old" / "timm" / "config.json").read_text())
+    assert hub == json.loads((tmp_path / "exports" / "timm" / "timm" / "config.json").read_text())
+    assert hub["label_names"] == [f"class_{index}" for index in range(hub["num_classes"])]

@@ -2,8 +2,8 @@
 
 A checkpoint holds the model and optimizer tensors (and the weight EMA's, ``ema``, when the run keeps
 one), the loss scaler, the loop state (step, images, epoch position, clocks, best accuracy, skip
-counts), every process's RNG streams, the loaders' bad-image logs, the config and the plan's key
-figures as recorded, and the format string :data:`CHECKPOINT_FORMAT`. A single file
+counts), every process's RNG streams, the loaders' bad-image logs, the config, the plan's key figures
+and what inference needs as recorded, and the format string :data:`CHECKPOINT_FORMAT`. A single file
 (:class:`~vitrain.checkpoint.manager.CheckpointManager`) holds full tensors; a sharded folder
 (:mod:`vitrain.checkpoint.sharded`) each process's shards. Either resumes at any process count: the
 loop asks :class:`RunCheckpoints` to save and to resume.
@@ -88,7 +88,8 @@ class RunCheckpoints:
     bad_images: dict[str, BadImages]
     """The loaders' bad-image logs by split: ``train`` and ``eval``."""
     record: dict[str, Any]
-    """Saved as it is: the config (``config``) and the plan's key figures (``plan``)."""
+    """Saved as it is: the config (``config``), the plan's key figures (``plan``) and what inference needs
+    (``inference``: model plan, normalization, crop, class names; ``vitrain.weights.inference``)."""
     world: World
     seed: int
     sharded: bool
@@ -121,6 +122,7 @@ class RunCheckpoints:
             "config": self.record["config"],
             "bad_images": {split: images.state_dict() for split, images in self.bad_images.items()},
             "plan": self.record["plan"],
+            "inference": self.record.get("inference"),
             "has_ema": self.ema is not None,
         }
 

@@ -108,7 +108,9 @@ def _source_class_names(data: DataConfig) -> list[str] | None:
 def known_class_names(data: DataConfig, info: dict[str, Any], num_classes: int) -> list[str] | None:
     """The name of each class index: recorded in the checkpoint, else read from the training data's
     source; None (with a warning) when neither gives ``num_classes`` names."""
-    recorded = (info.get("inference") or {}).get("class_names") or info.get("plan", {}).get("class_names")
+    inference = info.get("inference")
+    recorded = (inference if isinstance(inference, dict) else {}).get("class_names")
+    recorded = recorded or info.get("plan", {}).get("class_names")
     names = recorded or _source_class_names(data)
     if names is not None and len(names) != num_classes:
         log.warning("the training data has %d class names, the model %d classes", len(names), num_classes)
@@ -143,7 +145,8 @@ def _model_plan(config: Config, record: dict[str, Any], weights: dict[str, torch
 def inference_plan(config: Config, info: dict[str, Any], weights: dict[str, torch.Tensor]) -> InferencePlan:
     """How the checkpoint's model classifies on this machine, from the checkpoint (``info``, ``weights``) and
     its adjusted config alone. ``precision=auto`` is what the training run computed in (fp32 if unknown)."""
-    record = info.get("inference") or {}
+    record = info.get("inference")
+    record = record if isinstance(record, dict) else {}  # checkpoints before the record: None
     model = _model_plan(config, record, weights)
     device = resolve_device(config.train.device, torch.cuda.is_available())
     precision = config.precision
