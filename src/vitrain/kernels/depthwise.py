@@ -30,10 +30,6 @@ def _image_like(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
 
 
-def _empty_unless(flag: bool, like: Tensor) -> Tensor:
-    return like if flag else like.new_empty(0)
-
-
 @torch.library.custom_op(
     "vitrain::depthwise_conv3x3", mutates_args=(), schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor y"
 )
