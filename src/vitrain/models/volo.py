@@ -7,7 +7,8 @@ read the patch tokens into a CLS token (CaiT), and a token-labeling auxiliary he
 
 Choices that differ from the paper (and from timm's ``volo.py``):
 - MixToken (Jiang et al. 2021, token labeling) is not in the model: mixing lives in data/loss
-  code (STYLE.md §1.3). The model only exposes per-token logits (``forward_head_with_tokens``).
+  code, so the model stays a plain classifier. The model only exposes per-token logits
+  (``forward_head_with_tokens``).
 - ``forward`` / ``forward_head`` return what timm's do: class logits plus 0.5 times the max over
   patch tokens of the auxiliary logits (the paper's inference rule); a token-labeling loss takes
   the two parts apart from ``forward_head_with_tokens``.
@@ -480,7 +481,7 @@ class VOLO(nn.Module):
         prefixes.extend(f"post_network.{block}." for block in range(len(self.post_network)))
         return {prefix: layer_id for layer_id, prefix in enumerate(prefixes, start=1)}
 
-    # --- the model protocol (STYLE.md §4) ---------------------------------------------------
+    # --- the model protocol (docs/models.md) ------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self) -> None:
