@@ -19,7 +19,7 @@ test: install data
 # On a CUDA machine: vitrain doctor, pytest -m gpu and the benchmark set into records/gpu-check-<date>-<gpu>/
 # (docs/gpu-check.md); under 10 minutes on one H100.
 gpu-check: install
-	$(BIN)/python bench/gpu_check.py
+	$(BIN)/python experiments/gpu_check.py
 
 install: $(STAMP)
 

@@ -3,8 +3,8 @@
 Fast CPU paths are chosen by measurement (:mod:`vitrain.train.choices`); these answers say what the
 hardware *is*, for the doctor, the warnings, the cache keys of measured choices and the candidates worth
 measuring. A library's capability flag is not such an answer: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
-is true on every AVX-512 CPU, where oneDNN *emulates* bf16 without AVX512-BF16 (about 4x slower than fp32
-on an Ice Lake Xeon). So native bf16 is read from the CPU's own flags (``/proc/cpuinfo``), as limited by the
+is true on every AVX-512 CPU, where oneDNN *emulates* bf16 without AVX512-BF16, slower than fp32
+(docs/benchmarks.md). So native bf16 is read from the CPU's own flags (``/proc/cpuinfo``), as limited by the
 three switches that lower what the libraries use:
 
 - ``ONEDNN_MAX_CPU_ISA`` (oneDNN): e.g. ``AVX2`` makes oneDNN behave as on an AVX2-only CPU, ``AVX512_CORE``
@@ -104,7 +104,7 @@ def _onednn_allows(level: int) -> bool:
 @functools.cache
 def cpu_bf16_native() -> bool:
     """oneDNN computes bf16 natively on this CPU: it has AVX512-BF16 or AMX-BF16 and ``ONEDNN_MAX_CPU_ISA``
-    lets oneDNN use it. Elsewhere bf16 still runs, converted in software, slower than fp32 (2-4x seen).
+    lets oneDNN use it. Elsewhere bf16 still runs, converted in software, slower than fp32.
     Where the system lists no CPU flags (not Linux), PyTorch's answer is taken."""
     torch_says = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     flags = cpu_flags()

@@ -1,4 +1,4 @@
-"""``make gpu-check`` (bench/gpu_check.py): the dry run on the CPU at toy sizes runs every stage end to
+"""``make gpu-check`` (experiments/gpu_check.py): the dry run on the CPU at toy sizes runs every stage end to
 end (doctor, the gpu tests, the benchmark set, the ladder) and writes its record; the GPU tests are
 collected and skip here with their reason; a run past its deadline reports what it did not run."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+SCRIPT = ROOT / "experiments" / "gpu_check.py"
 STAGES = [
     "doctor",
     "pytest-gpu",

@@ -79,7 +79,8 @@ class BadImages(Protocol):
 
 @dataclasses.dataclass
 class RunCheckpoints:
-    """Saves and resumes everything of a run that changes while it trains (STYLE.md §1.5)."""
+    """Saves and resumes everything of a run that changes while it trains (docs/architecture.md,
+    "A training step")."""
 
     manager: CheckpointManager
     model: nn.Module

@@ -332,8 +332,8 @@ class TrainConfig(Section):
     convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
     host_allocator: Literal["cached", "system"] = "cached"
     """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
-    no trimming), so a step's tensors stop page-faulting in fresh pages (VOLO-D1 at 224 px on a 2-core
-    CPU: 3.37 -> 2.43 s a step); system: the C library's defaults (memory handed back as freed)."""
+    no trimming), so a step's tensors stop page-faulting in fresh pages (docs/benchmarks.md, "What each
+    technique buys"); system: the C library's defaults (memory handed back as freed)."""
     cpu_kernels: Literal["auto", "fused", "native"] = "auto"
     """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
     gradient sums. auto: the run's step is timed with and without them and the faster is taken; they are

@@ -39,6 +39,7 @@ from vitrain.data.loader import (
     epoch_order,
     image_folder_splits,
 )
+from vitrain.data.shards import shard_source
 from vitrain.data.transforms import batch_random_erase, batch_random_translate, eval_resize_size
 
 log = logging.getLogger("vitrain")
@@ -382,8 +383,6 @@ def build_dali_loaders(data: DataPlan) -> tuple[Any, Any]:
     """Train and eval loaders of ``data.backend=dali`` for the image folder or the shards."""
     config = data.source
     if config.name == "webdataset":
-        from vitrain.data.shards import shard_source
-
         source = shard_source(config)
         return DaliShardLoader(source, data, train=True), DaliShardLoader(source, data, train=False)
     train_samples, eval_samples = image_folder_splits(config)

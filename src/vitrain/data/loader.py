@@ -517,22 +517,3 @@ def image_folder_splits(config: DataConfig) -> tuple[list[tuple[str, int]], list
     root = Path(sources.image_folder_root(config))
     train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
     return train_samples, sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
-
-
-def build_loaders(data: DataPlan) -> tuple[InMemoryLoader | FileLoader, InMemoryLoader | FileLoader]:
-    """Train and eval loaders for the plan's data source."""
-    config = data.source
-    if config.backend == "dali" and config.name in ("imagefolder", "webdataset"):
-        from vitrain.data.dali import build_dali_loaders  # it builds on this module
-
-        return build_dali_loaders(data)
-    if config.name == "webdataset":
-        from vitrain.data.shards import build_shard_loaders  # it builds on this module
-
-        return build_shard_loaders(data)
-    if config.name == "imagefolder":
-        train_samples, eval_samples = image_folder_splits(config)
-        return FileLoader(train_samples, data, train=True), FileLoader(eval_samples, data, train=False)
-    return InMemoryLoader(in_memory_split(data, "train"), data, True), InMemoryLoader(
-        in_memory_split(data, "eval"), data, False
-    )

@@ -233,55 +233,27 @@ FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES = 60_000, 10_000
 
 
 def nominal_source_info(config: DataConfig) -> DatasetInfo:
-    """What :func:`describe_source` would say of a source whose files are not here (a job's data on its
-    cluster, a recipe's data not installed), without reading anything: image folders and shards have
+    """What :func:`~vitrain.data.build.describe_source` would say of a source whose files are not here (a job's
+    data on its cluster, a recipe's data not installed), without reading anything: image folders and shards have
     ImageNet-1k's shape (1,281,167 training and 50,000 evaluation images, 1000 classes, 3 channels, ImageNet
     mean/std: the config names no class count, and a generous training set refuses no batch that the real
     one may take), Fashion-MNIST its own (60,000/10,000 images, 10 classes, 1 channel); synthetic data is
     described as ever (it reads no files). data.limit_train/limit_eval apply."""
     if config.name == "synthetic":
-        return describe_source(config)
+        return describe_unsharded_source(config)
     if config.name == "fashion-mnist":
         sizes = (FASHION_MNIST_TRAIN_IMAGES, FASHION_MNIST_EVAL_IMAGES, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
     else:
         sizes = (IMAGENET_TRAIN_IMAGES, IMAGENET_EVAL_IMAGES, IMAGENET_CLASSES, 3, IMAGENET_MEAN, IMAGENET_STD)
-    num_train, num_eval, num_classes, channels, mean, std = sizes
-    return DatasetInfo(
-        _limited(num_train, config.limit_train), _limited(num_eval, config.limit_eval), num_classes, channels, mean, std
-    )
+    return source_info(config, sizes)
 
 
-def describe_source(config: DataConfig) -> DatasetInfo:
-    """Read what resolve() needs without loading the data; raise ConfigError if it is missing."""
-    if config.name == "fashion-mnist":
-        root = fashion_mnist_root(config)
-        num_train = idx_length(root / FASHION_MNIST_FILES["train"][1])
-        num_eval = idx_length(root / FASHION_MNIST_FILES["eval"][1])
-        sizes = (num_train, num_eval, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
-    elif config.name == "imagefolder":
-        root = image_folder_root(config)
-        train, classes = image_folder_samples(root, "train")
-        evaluation, _ = image_folder_samples(root, "eval")
-        if not train or not evaluation:
-            raise ConfigError(
-                f"data.root: no images found under {root}/train or {root}/val (extensions {IMAGE_EXTENSIONS})"
-            )
-        sizes = (len(train), len(evaluation), len(classes), 3, IMAGENET_MEAN, IMAGENET_STD)
-    elif config.name == "webdataset":
-        from vitrain.data.shards import shard_source  # it builds on this module
+SourceSizes = tuple[int, int, int, int, tuple[float, ...], tuple[float, ...]]
+"""(training images, evaluation images, classes, channels, mean, std) of a source, before any limit."""
 
-        # index.json's counts and classes; shards without one are read once to count them
-        shards = shard_source(config)
-        sizes = (shards.train.num_samples, shards.eval.num_samples, shards.num_classes, 3, IMAGENET_MEAN, IMAGENET_STD)
-    else:
-        sizes = (
-            config.synthetic_num_train,
-            config.synthetic_num_eval,
-            config.synthetic_num_classes,
-            SYNTHETIC_CHANNELS,
-            (0.5,) * SYNTHETIC_CHANNELS,
-            (0.25,) * SYNTHETIC_CHANNELS,
-        )
+
+def source_info(config: DataConfig, sizes: SourceSizes) -> DatasetInfo:
+    """The :class:`DatasetInfo` of a source of these sizes, data.limit_train/limit_eval applied."""
     num_train, num_eval, num_classes, channels, mean, std = sizes
     return DatasetInfo(
         num_train=_limited(num_train, config.limit_train),
@@ -291,3 +263,28 @@ def describe_source(config: DataConfig) -> DatasetInfo:
         mean=mean,
         std=std,
     )
+
+
+def describe_unsharded_source(config: DataConfig) -> DatasetInfo:
+    """What resolve() needs of Fashion-MNIST, an image folder or synthetic data, read without loading the data;
+    ConfigError if it is missing. Shards are described by :func:`vitrain.data.build.describe_source`: reading
+    them takes :mod:`vitrain.data.shards`, which builds on this module."""
+    if config.name == "fashion-mnist":
+        root = fashion_mnist_root(config)
+        num_train = idx_length(root / FASHION_MNIST_FILES["train"][1])
+        num_eval = idx_length(root / FASHION_MNIST_FILES["eval"][1])
+        return source_info(config, (num_train, num_eval, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD))
+    if config.name == "imagefolder":
+        root = image_folder_root(config)
+        train, classes = image_folder_samples(root, "train")
+        evaluation, _ = image_folder_samples(root, "eval")
+        if not train or not evaluation:
+            raise ConfigError(
+                f"data.root: no images found under {root}/train or {root}/val (extensions {IMAGE_EXTENSIONS})"
+            )
+        return source_info(config, (len(train), len(evaluation), len(classes), 3, IMAGENET_MEAN, IMAGENET_STD))
+    if config.name != "synthetic":
+        raise ValueError(f"data.name={config.name}: not described here")
+    channels = SYNTHETIC_CHANNELS
+    sizes = (config.synthetic_num_train, config.synthetic_num_eval, config.synthetic_num_classes, channels)
+    return source_info(config, (*sizes, (0.5,) * channels, (0.25,) * channels))

@@ -73,7 +73,8 @@ def _probe_data(config) -> tuple[Any, str]:
     """The recipe's dataset description, or where its data is missing (the environment lines say so) the
     shape its source would have: the probe times the model, not the data."""
     from vitrain.config import ConfigError
-    from vitrain.data.sources import describe_source, nominal_source_info
+    from vitrain.data import describe_source
+    from vitrain.data.sources import nominal_source_info
 
     try:
         return describe_source(config.data), ""

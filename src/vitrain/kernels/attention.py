@@ -2,8 +2,7 @@
 projection's output to the token-major result, float32 scores and softmax, no head-major copies; ops
 ``vitrain::attention`` and ``vitrain::attention_backward``. The backward recomputes the scores; besides
 qkv it keeps one float per query and head (the log of its softmax denominator), not the probabilities.
-Forward and backward 1.6-2.5x the explicit attention's speed alone: ViT-Ti/4 steps 1.08x, locality
-ViT-S/16 1.14x, VOLO-D1 1.11x (2-core AMX Xeon; docs/benchmarks.md, "Attention on AMX tiles").
+Faster than the explicit attention, forward and backward (docs/benchmarks.md, "Attention on AMX tiles").
 """
 
 import torch

@@ -2,11 +2,10 @@
 FFN's front (fc1, the depthwise convolution over the patch rows, h-swish) as one op:
 ``vitrain::depthwise_conv3x3``, ``vitrain::locality_front`` and their backward ops (``depthwise.cpp``).
 
-The forward convolution is PyTorch's (oneDNN's); the backward is the fused kernel: 7.3 against 12.6 ms
-for 32 x 1536 x 14 x 14 (19.8 ms in a locality ViT-S step, where the input is a view that skips the CLS
-rows). The locality front also takes the gradient through the h-swish and writes fc1's output gradient
-in place, so no concatenation is copied either way (step 1.027x; 2-core AMX Xeon, docs/benchmarks.md,
-"Fused CPU kernels").
+The forward convolution is PyTorch's (oneDNN's); the backward is the fused kernel, which also takes the
+input as the view that skips the CLS rows, where PyTorch's is slowest. The locality front also takes the
+gradient through the h-swish and writes fc1's output gradient in place, so no concatenation is copied
+either way. Timings: docs/benchmarks.md, "Fused CPU kernels".
 """
 
 import torch
@@ -28,10 +27,6 @@ def channels_last_within_images(x: Tensor) -> bool:
 
 def _image_like(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-
-
-def _empty_unless(flag: bool, like: Tensor) -> Tensor:
-    return like if flag else like.new_empty(0)
 
 
 @torch.library.custom_op(

@@ -1,7 +1,6 @@
 """The exact (erf) GELU of bf16 values by table (a bf16 input has 65536 values): ``vitrain::gelu`` and
-``vitrain::gelu_backward`` (``gelu.cpp``), exact to double precision before rounding; 0.97 and 1.27 ms
-forward and backward against PyTorch's 1.72 and 3.31 ms for 8320 x 768 (2-core AMX Xeon;
-docs/benchmarks.md, "Linear weight gradients and GELU by table")."""
+``vitrain::gelu_backward`` (``gelu.cpp``), exact to double precision before rounding; a lookup in place of
+PyTorch's arithmetic, so faster both ways (docs/benchmarks.md, "Linear weight gradients and GELU by table")."""
 
 import torch
 from torch import Tensor

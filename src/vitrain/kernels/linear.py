@@ -5,20 +5,18 @@ gradient never multiplies a transposed view.
 Forward: oneDNN's linear primitive with the bias inside it where this CPU and this torch have it
 (``mkldnn._linear_pointwise``, the op inductor emits on CPU; oneDNN has no bf16 inner product on
 AVX2-only CPUs, where ``F.linear`` runs): ``F.linear`` on bf16 adds the bias in a second pass over the
-output, 1.10 against 0.73 ms for 8320 x 192 -> 768, and adds it after rounding to bf16.
+output, and adds it after rounding to bf16.
 
-Backward: the weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it at about half
-speed when an operand is a transposed view (6.8 against 3.5 ms for 6304 tokens, 1536 -> 384). Where the
-CPU has AMX-BF16 and both widths are multiples of 32 it runs on AMX tiles from the token-major operands
-(``weight_gradient.cpp``), which also sums the bias gradient and, after a GELU (a ViT FFN's fc1), forms
-the pre-activation gradient: 1.05-1.42 against 1.73-2.26 ms for ViT-Ti/4's qkv, fc1 and fc2.
-Elsewhere one operand is copied feature-major (``transpose_rows``, 0.4 ms for 6304 x 384 against 2.3
-for PyTorch's copy). In a layer that expands by at least 2 (qkv, fc1) that is the narrower input ``x``:
-the product is ``xT @ g``, whose small (in, out) result is copied back to the weight's layout. In every
-other layer it is ``g``, and the copy sums the bias gradient on the way: ``gT @ x`` is in the weight's
-layout, and oneDNN runs it faster than ``xT @ g`` (1.09 against 1.53 ms for 8320 tokens, 192 -> 768).
-With the GELU, its backward sums the bias gradient as it writes the pre-activation gradient.
-(2-core AMX Xeon; docs/benchmarks.md, "Linear layers on AMX tiles".)
+Backward: the weight gradient ``g^T x`` sums over every token; oneDNN's AMX matmul runs it slower when an
+operand is a transposed view. Where the CPU has AMX-BF16 and both widths are multiples of 32 it runs on AMX
+tiles from the token-major operands (``weight_gradient.cpp``), which also sums the bias gradient and, after
+a GELU (a ViT FFN's fc1), forms the pre-activation gradient. Elsewhere one operand is copied feature-major
+(``transpose_rows``, faster than PyTorch's copy). In a layer that expands by at least 2 (qkv, fc1) that is
+the narrower input ``x``: the product is ``xT @ g``, whose small (in, out) result is copied back to the
+weight's layout. In every other layer it is ``g``, and the copy sums the bias gradient on the way:
+``gT @ x`` is in the weight's layout, and oneDNN runs it faster than ``xT @ g``. With the GELU, its backward
+sums the bias gradient as it writes the pre-activation gradient. Timings: docs/benchmarks.md, "Linear weight
+gradients and GELU by table" and "Linear layers on AMX tiles".
 """
 
 import torch

@@ -162,7 +162,7 @@ def _cpu_matmul_tflops(precision: str, size: int, num_threads: int, seconds: flo
     """Best-of-``trials`` matmul throughput; ``num_threads`` is part of the cache key only.
 
     ``F.linear`` is the op the models' matmuls run (autocast casts it); on CPUs without native fp16
-    it takes oneDNN's path while ``torch.mm`` falls back to a kernel about 7x slower.
+    it takes oneDNN's path while ``torch.mm`` falls back to a much slower kernel.
     """
     dtype = _DTYPES[precision]
     generator = torch.Generator().manual_seed(0)
@@ -170,7 +170,7 @@ def _cpu_matmul_tflops(precision: str, size: int, num_threads: int, seconds: flo
     weight = torch.randn(size, size, generator=generator).to(dtype)
     F.linear(inputs, weight)  # warm-up: first-call kernel selection and page faults
     # Each trial runs for its share of ``seconds`` (not a repeat count sized from the warm-up call:
-    # that call can be 100x slower than the rest, and a one-matmul trial then reads half the peak).
+    # that call can be far slower than the rest, and a one-matmul trial then reads a fraction of the peak).
     best = 0.0
     for _ in range(trials):
         calls, started = 0, time.perf_counter()

@@ -23,8 +23,8 @@ def tokens_as_image(tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
     """View ``(B, H*W, C)`` patch tokens as a ``(B, C, H, W)`` image without copying.
 
     The view has channels_last strides, which PyTorch's convolutions and BatchNorm take natively,
-    so the convolutional FFNs skip the NCHW copy in and out: LocalViT's and the Borealis FFN's
-    forward + backward are about 18 % faster on CPU (docs/benchmarks.md, "Convolutional FFN layout").
+    so the convolutional FFNs skip the NCHW copy in and out, which makes LocalViT's and the Borealis
+    FFN's forward + backward faster on CPU (docs/benchmarks.md, "Convolutional FFN layout").
     """
     batch, count, channels = tokens.shape
     if count != grid[0] * grid[1]:
@@ -41,8 +41,8 @@ def image_as_tokens(image: torch.Tensor) -> torch.Tensor:
 def split_prefix(tokens: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prefix tokens, patch tokens) of (B, N, C) tokens, as views. ``split`` rather than two slices:
     the backward of a slice writes its gradient into a zero-filled tensor of the whole input's size,
-    so two slices cost two full fills and an add (12 % of a locality ViT-S step at 224 px on CPU);
-    split's backward is one concatenation."""
+    so two slices cost two full fills and an add; split's backward is one concatenation
+    (docs/benchmarks.md, "What each technique buys")."""
     return tokens.split([num_prefix_tokens, tokens.shape[1] - num_prefix_tokens], dim=1)
 
 
@@ -157,8 +157,8 @@ class MatmulAttention(torch.autograd.Function):
     the scale rides on the matmul (``baddbmm``'s alpha), and the backward writes dq, dk, dv straight
     into one head-major buffer. Autograd through the unbound q, k, v instead makes a contiguous copy
     of each per product, a scaled copy of q, and a stack of their gradients before the copy back:
-    this is 15-20 % faster forward + backward (bf16, 2-core AMX CPU: ViT-Ti/4 at 32 px, ViT-S and
-    VOLO-D1 at 224 px). Holds the head-major q, k, v and the probabilities for the backward."""
+    this is faster forward + backward (docs/benchmarks.md, "What each technique buys"). Holds the
+    head-major q, k, v and the probabilities for the backward."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor:

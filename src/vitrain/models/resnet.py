@@ -58,7 +58,8 @@ class ResNet(torchvision.models.ResNet):
             raise ValueError(f"ResNetArgs.depth {args.depth} is not one of {sorted(RESNET_LAYOUTS)}")
         block, layers = RESNET_LAYOUTS[args.depth]
         # torchvision's constructor takes no device/dtype: build on meta (free, whatever the size),
-        # then materialize and initialize here, as the build order of STYLE.md §1.4 does outside.
+        # then materialize and initialize here, as a training step's build order does outside
+        # (docs/architecture.md, "A training step").
         with torch.device("meta"):
             super().__init__(block, list(layers), num_classes=args.num_classes)
             if args.in_chans != 3:
@@ -72,7 +73,7 @@ class ResNet(torchvision.models.ResNet):
             self.to_empty(device=target)
             self.init_weights()
 
-    # --- the model protocol (STYLE.md §4) ---------------------------------------------------
+    # --- the model protocol (docs/models.md) ------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -171,7 +171,7 @@ class VisionTransformer(nn.Module):
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
-    # --- the model protocol (STYLE.md §4) ---------------------------------------------------
+    # --- the model protocol (docs/models.md) ------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self) -> None:

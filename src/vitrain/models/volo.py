@@ -7,7 +7,8 @@ read the patch tokens into a CLS token (CaiT), and a token-labeling auxiliary he
 
 Choices that differ from the paper (and from timm's ``volo.py``):
 - MixToken (Jiang et al. 2021, token labeling) is not in the model: mixing lives in data/loss
-  code (STYLE.md §1.3). The model only exposes per-token logits (``forward_head_with_tokens``).
+  code, so the model stays a plain classifier. The model only exposes per-token logits
+  (``forward_head_with_tokens``).
 - ``forward`` / ``forward_head`` return what timm's do: class logits plus 0.5 times the max over
   patch tokens of the auxiliary logits (the paper's inference rule); a token-labeling loss takes
   the two parts apart from ``forward_head_with_tokens``.
@@ -225,9 +226,8 @@ def scatter_windows(windows: torch.Tensor, padded_shape: torch.Size, kernel: int
 
 class GatherWindows(torch.autograd.Function):
     """:func:`gather_windows` with :func:`scatter_windows` as its backward. ``F.unfold``/``F.fold`` on the
-    channels-first view of a channels-last grid ran about 10x slower (im2col/col2im: 16-20 ms against
-    1.5-3.5 ms for VOLO-D1's outlookers at batch 32 in bf16 on a 2-core CPU) and needed a permuting copy
-    each way besides."""
+    channels-first view of a channels-last grid run as im2col/col2im, far slower than these strided copies,
+    and need a permuting copy each way besides (docs/benchmarks.md, "What each technique buys")."""
 
     @staticmethod
     def forward(ctx, padded: torch.Tensor, heads: int, kernel: int, stride: int, out_hw: Grid) -> torch.Tensor:
@@ -254,9 +254,9 @@ class ScatterWindows(torch.autograd.Function):
 
 class ScaledSoftmax(torch.autograd.Function):
     """``(x * scale).softmax(-1)`` for short rows (outlook attention's K^2 = 9), computed in float32
-    with whole-tensor ops. PyTorch's CPU softmax kernel vectorizes along the row, so 9-wide rows ran
-    3.5x slower forward and 2.5x backward than this (bf16, VOLO-D1's (32, 196, 6, 9, 9) logits on a
-    2-core AMX CPU); the scale rides along instead of a separate multiply. ``scale`` must be > 0."""
+    with whole-tensor ops. PyTorch's CPU softmax kernel vectorizes along the row, so 9-wide rows run
+    slower through it, forward and backward; the scale rides along instead of a separate multiply.
+    ``scale`` must be > 0."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, scale: float) -> torch.Tensor:
@@ -328,9 +328,8 @@ class SelfAttention(Attention):
 class ClassAttention(nn.Module):
     """The CLS token attends to all tokens (itself included); only its update is returned (CaiT).
 
-    One query row per head: explicit matmuls, as timm writes it. SDPA's CPU flash kernel spent 20 ms
-    in the backward of each of VOLO-D1's two class blocks at batch 32 (bf16, 2-core AMX CPU), 1.6 %
-    of the step, for that single row; the softmax over it is taken in float32."""
+    One query row per head: explicit matmuls, as timm writes it; SDPA's CPU flash kernel has a slow
+    backward for that single row. The softmax over it is taken in float32."""
 
     def __init__(
         self, dim: int, num_heads: int, qkv_bias: bool = False, attn_drop: float = 0.0, device=None, dtype=None
@@ -480,7 +479,7 @@ class VOLO(nn.Module):
         prefixes.extend(f"post_network.{block}." for block in range(len(self.post_network)))
         return {prefix: layer_id for layer_id, prefix in enumerate(prefixes, start=1)}
 
-    # --- the model protocol (STYLE.md §4) ---------------------------------------------------
+    # --- the model protocol (docs/models.md) ------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,5 +1,6 @@
-"""Changes applied to a built model from outside (STYLE.md §1.3): :func:`parallelize` applies tensor
-parallelism, activation checkpointing, compile and FSDP2 or DDP, in this order."""
+"""Changes applied to a built model from outside (docs/architecture.md, "Speed tricks are applied
+from outside"): :func:`parallelize` applies tensor parallelism, activation checkpointing, compile and FSDP2
+or DDP, in this order."""
 
 from vitrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from vitrain.parallel.parallelize import parallelize

@@ -1,6 +1,6 @@
-"""Parallelizing a built model over the processes of a run, from outside the model (STYLE.md §1.3):
-:func:`parallelize`, in torchtitan's order: tensor parallelism -> activation checkpointing -> compile ->
-FSDP2 or DDP.
+"""Parallelizing a built model over the processes of a run, from outside the model (docs/architecture.md,
+"Speed tricks are applied from outside"): :func:`parallelize`, in torchtitan's order: tensor parallelism ->
+activation checkpointing -> compile -> FSDP2 or DDP.
 
 - **Mesh.** One named device mesh: ``("dp",)`` for fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
   fsdp+tp (tensor-parallel peers are adjacent ranks, so on a cluster they share a node).

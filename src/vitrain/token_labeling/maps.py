@@ -78,10 +78,6 @@ class MapLayout:
         start = shard * self.samples_per_shard
         return range(start, min(start + self.samples_per_shard, self.count))
 
-    @property
-    def bytes_per_image(self) -> int:
-        return self.k * self.height * self.width * (np.dtype(np.float16).itemsize + np.dtype(np.int16).itemsize)
-
 
 def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}"
@@ -462,10 +458,6 @@ class PublishedLabelMaps:
         """The maps of samples ``indices``: ``(B, 2, k, H, W)`` float32, scores then class indices."""
         maps = [self._load(int(index)) for index in _as_index_array(indices)]
         return torch.stack(maps).float() if maps else torch.empty(0)
-
-    def layout_of_first(self) -> tuple[int, int, int]:
-        """(k, H, W) of the first image's map."""
-        return tuple(self._load(0).shape[1:])
 
     def check(self, num_classes: int | None = None, fingerprint: DatasetFingerprint | None = None) -> None:
         """Every training image has its file, all of one shape, finite scores, indices in [0, num_classes)."""

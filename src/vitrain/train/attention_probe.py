@@ -1,16 +1,15 @@
 """``model.attn_impl=auto``: choose the attention path by measurement, per shape.
 
-Which attention kernel is fastest depends on the device, the dtype, the sequence length and the
-batch (on a 2-core AMX CPU, SDPA's flash kernel spent half the step in its backward at 65 tokens
-while explicit matmuls ran 1.7x faster; on GPUs flash attention wins from a few hundred tokens, and
-cuDNN's fused attention can beat it on Hopper). So the choice is not a table of habits: at model
-build, a meta-device forward finds each attention layer's (tokens, width, heads); the candidates
-(SDPA with torch's choice and the explicit matmul path; on CUDA also SDPA pinned to its flash,
-memory-efficient and cuDNN kernels) are timed on one layer of that shape (forward + backward, the
-run's precision policy and batch); the fastest is set on every layer of the shape, and a candidate
-that cannot run there is left out. Results are cached with the other measured choices
-(:mod:`vitrain.train.choices`) under the device as it computes, the precision policy, the fused kernels
-and the shape, so the probe runs once per machine and shape.
+Which attention kernel is fastest depends on the device, the dtype, the sequence length and the batch (on
+CPUs SDPA's flash backward is slow at short sequences, where explicit matmuls win; on GPUs flash attention
+wins from a few hundred tokens, and cuDNN's fused attention can beat it on Hopper). So the choice is not a
+table of habits: at model build, a meta-device forward finds each attention layer's (tokens, width, heads);
+the candidates (SDPA with torch's choice and the explicit matmul path; on CUDA also SDPA pinned to its
+flash, memory-efficient and cuDNN kernels) are timed on one layer of that shape (forward + backward, the
+run's precision policy and batch); the fastest is set on every layer of the shape, and a candidate that
+cannot run there is left out. Results are cached with the other measured choices
+(:mod:`vitrain.train.choices`) under the device as it computes, the precision policy, the fused kernels and
+the shape, so the probe runs once per machine and shape.
 """
 
 from __future__ import annotations

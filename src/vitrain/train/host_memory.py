@@ -2,12 +2,11 @@
 
 glibc serves every allocation above 128 KiB with its own ``mmap`` and unmaps it on ``free``, so each
 large CPU tensor of a training step (activations, gradients, a VOLO stem's 51 MB feature maps) is
-fresh memory whose pages fault in, zeroed by the kernel, on first touch. On a 2-core AMX CPU that
-was 360,000 page faults and 0.9 s of system time per VOLO-D1 step at 224 px (3.37 s a step; 2.43 s
-with freed memory kept, docs/benchmarks.md). ``cached`` turns glibc's ``mmap`` path off and stops it
-returning the top of the heap to the system, so freed blocks are reused from the second step on:
-what jemalloc or tcmalloc (``LD_PRELOAD``, Intel's advice for PyTorch on CPU) would do, with no
-library to install. The peak resident memory is the same; it is just not given back until the
+fresh memory whose pages fault in, zeroed by the kernel, on first touch: system time in every step.
+``cached`` turns glibc's ``mmap`` path off and stops it returning the top of the heap to the system, so
+freed blocks are reused from the second step on: what jemalloc or tcmalloc (``LD_PRELOAD``, Intel's advice
+for PyTorch on CPU) would do, with no library to install (what it saves: docs/benchmarks.md, "What each
+technique buys"). The peak resident memory is the same; it is just not given back until the
 process ends (``malloc_trim`` still gives it back on request). Elsewhere than glibc nothing changes.
 """
 

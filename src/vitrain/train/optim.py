@@ -127,7 +127,7 @@ def orthogonalize(matrices: torch.Tensor, steps: int, dtype: torch.dtype = torch
     """About ``U V^T`` for each ``matrix = U S V^T`` of a ``(..., rows, cols)`` stack, by Muon's
     Newton-Schulz iteration in ``dtype`` (singular values land near 1, not on it; Muon needs no more).
     A stack runs as batched matmuls: the iteration is compute bound, and one batched call per shape
-    beats a call per matrix (7-19 % on a 2-core CPU, docs/benchmarks.md)."""
+    beats a call per matrix (docs/benchmarks.md, "What each technique buys", Muon)."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
     x = matrices.to(dtype).reshape(-1, *matrices.shape[-2:])
     tall = x.shape[-2] > x.shape[-1]

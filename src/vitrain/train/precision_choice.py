@@ -47,8 +47,8 @@ from vitrain.train.timing import synchronize, synthetic_batch
 log = logging.getLogger("vitrain")
 
 KERNEL_REACH = 1.3
-"""The most the fused CPU kernels are allowed to make up: the largest step speed-up they were measured to give
-is 1.21x (bf16 O2 with the kernels against autocast, ViT-Ti/4 on an AMX Xeon; docs/benchmarks.md). A bf16
+"""The most the fused CPU kernels are allowed to make up: a margin above the largest step speed-up measured
+for them (bf16 O2 with the kernels against autocast; docs/benchmarks.md, "What each technique buys"). A bf16
 candidate slower than the fastest by more than this is not worth building them for."""
 WARMUP_STEPS = 1
 TIMED_STEPS = 3
@@ -56,7 +56,7 @@ GIVE_UP = 2.0
 """A candidate whose first timed step is this many times slower than the fastest so far stops there..."""
 GIVE_UP_WARM_UP = 4.0
 """...and one whose warm-up step is this many times slower than the fastest warm-up so far stops before its
-timed steps (its warm-up gives its rate: emulated bf16 on an AVX2 CPU is about 20x slower than fp32)."""
+timed steps (its warm-up gives its rate: emulated bf16 on an AVX2 CPU is many times slower than fp32)."""
 MAX_STEP_S = 3.0
 """Where a step at the run's batch takes longer (after its warm-up: a GPU's first step holds its start-up),
 the probe times a smaller batch, the same for every candidate, so that it stays within seconds."""

@@ -1,7 +1,7 @@
 """Write the image folders the input-pipeline figures in docs/benchmarks.md are measured on.
 
-    python bench/make_image_folders.py imagenet-like OUT [--train 20000] [--val 1000] [--classes 100]
-    python bench/make_image_folders.py fashion-mnist OUT [--root /usr/share/datasets/fashion-mnist]
+    python experiments/make_image_folders.py imagenet-like OUT [--train 20000] [--val 1000] [--classes 100]
+    python experiments/make_image_folders.py fashion-mnist OUT [--root /usr/share/datasets/fashion-mnist]
 
 imagenet-like: ImageNet-layout JPEGs at ImageNet's typical 500x375 (landscape; every fourth portrait
 375x500), quality 90, 4:2:0 chroma: a smooth random colour field with texture and noise per image, which

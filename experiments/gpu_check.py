@@ -1,8 +1,8 @@
 """The GPU acceptance run (``make gpu-check``): ``vitrain doctor``, the ``gpu`` tests, then the benchmark set,
 everything written into one record folder with a markdown summary.
 
-    python bench/gpu_check.py                      # on a CUDA machine: records/gpu-check-<date>-<gpu>/
-    python bench/gpu_check.py --device cpu --tiny  # the dry run: every stage at toy sizes on the CPU
+    python experiments/gpu_check.py                      # on a CUDA machine: records/gpu-check-<date>-<gpu>/
+    python experiments/gpu_check.py --device cpu --tiny  # the dry run: every stage at toy sizes on the CPU
 
 Stages (each a subprocess with its own time limit; a failed or timed-out stage is recorded and the next
 one runs):
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             stage.status = "not run (deadline)"
             continue
         run_stage(stage, out, env, seconds_left)
-    command = "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python experiments/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = write_summary(out, stages, args.device, command.strip())
     print(f"summary: {summary}")
     return 0 if all(stage.status == "pass" for stage in stages) else 1
