@@ -43,8 +43,8 @@ from vitrain.checkpoint.sharded import (
     shard_state,
 )
 from vitrain.config import ConfigError, World
-from vitrain.data.loader import derive_seed
 from vitrain.parallel.distributed import barrier, gather_objects
+from vitrain.seeds import derive_seed
 
 log = logging.getLogger("vitrain")
 

@@ -26,7 +26,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -48,6 +47,7 @@ from vitrain.data.transforms import (
     last_crop_geometry,
     seeded_sample_rngs,
 )
+from vitrain.seeds import derive_seed
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """``(uint8 images, int64 labels)``; training batches of a plan with ``crop_geometry`` add a third member,
@@ -56,11 +56,6 @@ file's replacement), then its :data:`~vitrain.data.transforms.CropGeometry` ``(x
 ReadCounts = tuple[int, int]
 """What a data loader read: (bytes of the files decoded, files opened)."""
 log = logging.getLogger("vitrain")
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (NumPy's SeedSequence hashing)."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
 
 
 def epoch_permutation(count: int, seed: int, epoch: int) -> torch.Tensor:

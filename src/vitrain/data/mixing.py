@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vitrain.config import DataPlan, MixPlan
-from vitrain.data.loader import derive_seed
+from vitrain.seeds import derive_seed
 
 MIXING_STREAM = 0x6D6978
 """Set apart the mixing draws from the other streams derived from the run seed ("mix" in ASCII)."""

@@ -46,11 +46,6 @@ TIMM_NAMES = {
 _OUR_NAMES = {timm_name: ours for ours, timm_name in TIMM_NAMES.items()}
 
 
-def register_timm_name(ours: str, theirs: str) -> None:
-    TIMM_NAMES[ours] = theirs
-    _OUR_NAMES[theirs] = ours
-
-
 def timm_name(name: str) -> str:
     """The timm architecture equal to our variant ``name``."""
     model_spec(name)  # unknown names fail with the registry's hint

@@ -39,13 +39,13 @@ from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from vitrain.checkpoint.sharded import load_model_state
 from vitrain.config import ConfigError, DataPlan, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
-from vitrain.data.loader import derive_seed
 from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.data.sources import image_folder_root, image_folder_samples
 from vitrain.io import write_file_atomic
 from vitrain.models import build_model, load_pretrained
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
+from vitrain.seeds import derive_seed
 from vitrain.token_labeling.mixtoken import apply_mix_token
 from vitrain.token_labeling.training import TokenTargets
 from vitrain.train.attention_probe import choose_attention

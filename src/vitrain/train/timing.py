@@ -7,7 +7,7 @@ import torch
 
 from vitrain.config import Plan
 from vitrain.data import Normalize
-from vitrain.data.loader import derive_seed
+from vitrain.seeds import derive_seed
 
 
 def synthetic_batch(plan: Plan, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
