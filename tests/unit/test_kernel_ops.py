@@ -166,7 +166,7 @@ def test_compiled_o2_training_with_the_kernels_equals_eager(built, small_synthet
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     KERNEL_GRAPH_OPS.clear()
     overrides = [*small_synthetic_overrides, "precision=bf16", "precision_mode=o2", "model.attn_impl=matmul"]
-    overrides += ["train.steps=4", "model.name=locality_vit_tiny6_patch7"]
+    overrides += ["train.steps=4", "model.name=locality_vit_tiny6_patch7", "train.cpu_kernels=fused"]
     eager = make_plan(make_config(*overrides, f"train.out_dir={tmp_path / 'eager'}"))
     backend = "train.compile_backend=kernel_recording_backend"
     compiled = make_plan(make_config(*overrides, "train.compile=true", backend, f"train.out_dir={tmp_path / 'c'}"))
