@@ -25,7 +25,6 @@
 //
 // The tiles' plain C++ backend runs the same algorithm on CPUs without AMX, for the tests.
 //
-// Also here: amx_available, whether the AMX path can run (weight_gradient.cpp's kernel checks it too).
 
 #include "kernels.h"
 #include "tiles.h"
@@ -335,26 +334,6 @@ void backward_all(const Problem& p, const BF* qkv, const BF* grad, const float* 
 }
 
 }  // namespace
-
-namespace vitrain_kernels {
-
-// Whether the AMX path can run: the CPU has AMX-TILE and AMX-BF16, the extension was built with them,
-// and Linux granted this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once).
-bool amx_available() {
-#if VITRAIN_AMX
-  static const bool available = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return false;                  // AMX-BF16, AMX-TILE
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  }();
-  return available;
-#else
-  return false;
-#endif
-}
-
-}  // namespace vitrain_kernels
 
 // softmax(scale q k^T) v per image and head: qkv (B, N, 3 * heads * head_dim) bf16 contiguous, laid out
 // (3, heads, head_dim) along the last dimension as a fused projection gives it; head_dim a multiple of

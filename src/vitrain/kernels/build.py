@@ -54,6 +54,7 @@ SOURCES = [
         "weight_gradient.cpp",
         "depthwise.cpp",
         "attention.cpp",
+        "tiles.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "common.h", "tiles.h")]

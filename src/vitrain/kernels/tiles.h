@@ -8,7 +8,7 @@
 #pragma once
 
 #include "common.h"
-#include "kernels.h"  // amx_available
+#include "kernels.h"  // amx_available (defined in tiles.cpp)
 
 #include <cstring>
 #include <limits>
