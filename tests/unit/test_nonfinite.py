@@ -16,7 +16,7 @@ from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 from vitrain.train import make_plan, train
 from vitrain.train.objectives import Classification
-from vitrain.train.optim import MuonAdamW
+from vitrain.train.optim import MuonAdamW, adam_step_unless_found_inf
 from vitrain.train.step import TrainStep, build_grad_scaler
 
 NAN = float("nan")
@@ -95,6 +95,33 @@ def test_fp16_overflow_skips_and_lowers_the_loss_scale():
     step.scaler.update(new_scale=scale)
     step(images, labels)
     assert step.skipped.item() == 0.0
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_the_device_skip_is_fused_adamws_step_bitwise_and_sets_no_optimizer_attribute(weight_decay):
+    """The flag reaches the fused kernel as an argument: the update is step()'s bit for bit when it is 0, none
+    when it is 1, no grad_scale/found_inf attribute is ever set on the optimizer, and the step hooks still run."""
+    torch.manual_seed(0)
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    twin = copy.deepcopy(model)
+    ours, theirs = (
+        torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=weight_decay, fused=True) for m in (model, twin)
+    )
+    seen = []
+    ours.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", hasattr(opt, "found_inf"))))
+    ours.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", hasattr(opt, "grad_scale"))))
+    for flag in (0.0, 0.0, 1.0, 0.0):
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        adam_step_unless_found_inf(ours, torch.tensor(flag))
+        if not flag:
+            theirs.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for state, twin_state in zip(ours.state.values(), theirs.state.values(), strict=True):
+        assert all(torch.equal(state[key], twin_state[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+    assert seen == [("pre", False), ("post", False)] * 4
 
 
 def _nan_on_steps(monkeypatch, steps: set[int]) -> dict[int, dict]:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import holds_dtensors, local_shard
 from vitrain.train.objectives import Objective, Outputs
+from vitrain.train.optim import adam_step_unless_found_inf
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -314,12 +315,8 @@ class TrainStep:
     def _update(self, skipped: torch.Tensor) -> None:
         """The optimizer step, unless ``skipped``: on the device for fused Adam(W), else on the host."""
         if self.device_skip:
-            self.optimizer.grad_scale, self.optimizer.found_inf = None, skipped
-            try:
-                with self.optimizer_context():
-                    self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale, self.optimizer.found_inf
+            with self.optimizer_context():
+                adam_step_unless_found_inf(self.optimizer, skipped)
         elif not skipped.item():  # the host sync of this path
             with self.optimizer_context():
                 self.optimizer.step()
