@@ -261,7 +261,7 @@ def test_the_step_loss_is_the_distillation_loss_and_both_heads_learn(teacher_run
     loss, _ = run.step_fn(images, targets)
     assert torch.isfinite(loss) and torch.allclose(loss, expected, atol=1e-5)
     assert run.model.head_dist.weight.grad.abs().sum() > 0 and run.model.dist_token.grad.abs().sum() > 0
-    teacher = run.step_fn.teacher
+    teacher = run.step_fn.objective.teacher
     assert all(param.grad is None and not param.requires_grad for param in teacher.parameters())
     optimized = {id(param) for group in run.optimizer.param_groups for param in group["params"]}
     assert not optimized & {id(param) for param in teacher.parameters()}

@@ -20,7 +20,7 @@ from vitrain.config import ConfigError, EmaPlan
 from vitrain.metrics import read_jsonl
 from vitrain.train import build_model_for, make_plan, train
 from vitrain.train.ema import ModelEma, ema_decay_at
-from vitrain.train.step import TrainStep
+from vitrain.train.objectives import Classification
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,13 +123,13 @@ def test_training_loop_updates_the_ema_by_the_formula_at_its_cadence(small_synth
 def test_a_skipped_step_leaves_the_ema_as_it_was(small_synthetic_overrides, monkeypatch):
     """Step 4's loss is NaN: the step and its EMA update are skipped (device flag, no host read)."""
     calls = []
-    forward = TrainStep._forward
+    forward = Classification.forward
 
-    def forward_nan_at_step_4(self, images):
+    def forward_nan_at_step_4(self, model, images, targets):
         calls.append(1)
-        return forward(self, images) * (NAN if len(calls) == 4 else 1.0)
+        return forward(self, model, images, targets) * (NAN if len(calls) == 4 else 1.0)
 
-    monkeypatch.setattr(TrainStep, "_forward", forward_nan_at_step_4)
+    monkeypatch.setattr(Classification, "forward", forward_nan_at_step_4)
     plan = make_plan(make_config(*_run_overrides(small_synthetic_overrides, "train.epochs=1", "train.ema_decay=0.8")))
     train(plan)
     (ema_3, weights_3), (ema_4, weights_4), (ema_5, _) = (_ema_and_weights(plan.out_dir, step) for step in (3, 4, 5))

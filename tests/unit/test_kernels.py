@@ -223,6 +223,7 @@ def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
     """Five O2 AdamW steps of a small ViT with the fused LayerNorms and with PyTorch's: the losses
     agree to bf16 training noise, and the fused path really ran."""
     from vitrain.config import precision_policy
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def losses_for(mode):
@@ -233,7 +234,9 @@ def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
         policy = precision_policy("bf16", "o2", "cpu")
         low_precision = apply_precision(model, policy)
-        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
+        step = TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0, low_precision=low_precision
+        )
         names = []
         hooks = [
             m.register_forward_hook(lambda module, args, out: names.append(out.grad_fn.name()))
@@ -794,6 +797,7 @@ def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
     (every block's attention through it) and without (MatmulAttention), the losses agree to bf16
     training noise."""
     from vitrain.config import precision_policy
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     if not _amx(built):
@@ -807,7 +811,9 @@ def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
         policy = precision_policy("bf16", "o2", "cpu")
         low_precision = apply_precision(model, policy)
-        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
+        step = TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0, low_precision=low_precision
+        )
         calls = []
 
         def attention(*args):

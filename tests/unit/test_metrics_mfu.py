@@ -4,10 +4,13 @@ seconds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.conftest import make_config
-from vitrain.metrics import read_jsonl
+from vitrain.metrics import ThroughputMeter, read_jsonl
 from vitrain.metrics.peak import PeakFlops
 from vitrain.models.flops import model_flops
 from vitrain.train import build_model_for, loop, make_plan, train
@@ -107,3 +110,49 @@ def test_mfu_on_a_cpu_divides_by_the_best_precision_it_trains_in(monkeypatch, fp
     for precision in ("fp32", "bf16"):
         chosen = peak.peak_flops("cpu", precision)
         assert chosen.tflops == measured[best] and f", {best} (" in chosen.source, chosen.source
+
+
+def test_the_throughput_meter_counts_windows_and_the_session():
+    meter = ThroughputMeter("cpu", devices=2, peak=PeakFlops(0.1, "a fixed test peak"))
+    meter.forward_flops = 10**9
+    meter.open_window(10.0, (1_000_000, 3))
+    meter.waited_for_data(0.5)
+    meter.stepped(10)
+    meter.stepped(10)
+    elapsed, window = meter.close_window(12.0, (3_000_000, 7))
+    assert elapsed == 2.0 and list(window) == [
+        "img_s", "tflops", "mfu", "peak_mem_gib", "data_wait_frac", "read_mb_s", "files_s"
+    ]  # fmt: skip
+    tflops = 3 * 10**9 * 20 / 2.0 / 1e12  # training FLOPs: forward + a backward of twice its cost
+    assert window["img_s"] == 10.0 and window["tflops"] == pytest.approx(tflops)
+    assert window["mfu"] == pytest.approx(tflops / 2 / 0.1)  # per device
+    assert window["data_wait_frac"] == 0.25 and window["read_mb_s"] == 1.0 and window["files_s"] == 2.0
+    assert window["peak_mem_gib"] > 0
+    meter.open_window(12.0, (3_000_000, 7))
+    meter.stepped(20)
+    meter.close_window(14.0, (3_000_000, 7))
+    assert (meter.images, meter.train_s, meter.data_wait_s) == (40, 4.0, 0.5)
+    session = meter.session_utilization()
+    assert session["mean_tflops"] == pytest.approx(tflops) and session["mfu_peak_tflops"] == 0.1
+    assert meter.session_reads((3_000_000, 7)) == {"mean_read_mb_s": 0.5, "mean_files_s": 1.0}
+    assert meter.session_reads(None) == {"mean_read_mb_s": None, "mean_files_s": None}  # in-memory data
+
+
+def test_the_meter_without_a_peak_or_reads_reports_none():
+    meter = ThroughputMeter("cpu")
+    meter.open_window(0.0, None)
+    meter.stepped(4)
+    _, window = meter.close_window(1.0, None)
+    assert window["tflops"] == 0.0 and window["mfu"] is None  # no forward FLOPs known, no peak
+    assert window["read_mb_s"] is None and window["files_s"] is None
+
+
+def test_the_metrics_package_imports_nothing_of_the_training_code():
+    code = (
+        "import sys\n"
+        "import vitrain.metrics\n"
+        "print(sorted(name for name in sys.modules if name.startswith('vitrain.train')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

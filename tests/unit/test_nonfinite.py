@@ -15,7 +15,8 @@ from vitrain.config import precision_policy
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 from vitrain.train import make_plan, train
-from vitrain.train.optim import MuonAdamW
+from vitrain.train.objectives import Classification
+from vitrain.train.optim import MuonAdamW, adam_step_unless_found_inf
 from vitrain.train.step import TrainStep, build_grad_scaler
 
 NAN = float("nan")
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _poison(step: TrainStep) -> None:
     """Every later forward of ``step`` returns NaN logits (as a corrupt batch or an overflow would)."""
-    forward = step._forward
-    step._forward = lambda images: forward(images) * NAN
+    forward = step.objective.forward
+    step.objective.forward = lambda model, images, targets: forward(model, images, targets) * NAN
 
 
 def _snapshot(step: TrainStep) -> dict:
@@ -66,7 +67,7 @@ def test_a_non_finite_step_changes_nothing(model_name, optimizer_name):
     model = build_model(model_name, img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     policy = precision_policy("fp32", "autocast", "cpu")
-    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0)
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0)
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     step(images, labels)
     assert step.skipped.item() == 0.0
@@ -82,7 +83,7 @@ def test_fp16_overflow_skips_and_lowers_the_loss_scale():
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     policy = precision_policy("fp16", "autocast", "cpu")
-    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0)
+    step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0)
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
     step(images, labels)
     scale, before = step.scaler.get_scale(), _snapshot(step)
@@ -96,13 +97,40 @@ def test_fp16_overflow_skips_and_lowers_the_loss_scale():
     assert step.skipped.item() == 0.0
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_the_device_skip_is_fused_adamws_step_bitwise_and_sets_no_optimizer_attribute(weight_decay):
+    """The flag reaches the fused kernel as an argument: the update is step()'s bit for bit when it is 0, none
+    when it is 1, no grad_scale/found_inf attribute is ever set on the optimizer, and the step hooks still run."""
+    torch.manual_seed(0)
+    model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+    twin = copy.deepcopy(model)
+    ours, theirs = (
+        torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=weight_decay, fused=True) for m in (model, twin)
+    )
+    seen = []
+    ours.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", hasattr(opt, "found_inf"))))
+    ours.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", hasattr(opt, "grad_scale"))))
+    for flag in (0.0, 0.0, 1.0, 0.0):
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        adam_step_unless_found_inf(ours, torch.tensor(flag))
+        if not flag:
+            theirs.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for state, twin_state in zip(ours.state.values(), theirs.state.values(), strict=True):
+        assert all(torch.equal(state[key], twin_state[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+    assert seen == [("pre", False), ("post", False)] * 4
+
+
 def _nan_on_steps(monkeypatch, steps: set[int]) -> dict[int, dict]:
     """Make the forward of the given 1-based steps return NaN; return the model state after each step."""
-    original_call, original_forward = TrainStep.__call__, TrainStep._forward
+    original_call, original_forward = TrainStep.__call__, Classification.forward
     after: dict[int, dict] = {}
 
-    def forward(self, images):
-        logits = original_forward(self, images)
+    def forward(self, model, images, targets):
+        logits = original_forward(self, model, images, targets)
         return logits * NAN if len(after) + 1 in steps else logits
 
     def call(self, images, labels):
@@ -110,7 +138,7 @@ def _nan_on_steps(monkeypatch, steps: set[int]) -> dict[int, dict]:
         after[len(after) + 1] = copy.deepcopy(self.model.state_dict())
         return outputs
 
-    monkeypatch.setattr(TrainStep, "_forward", forward)
+    monkeypatch.setattr(Classification, "forward", forward)
     monkeypatch.setattr(TrainStep, "__call__", call)
     return after
 

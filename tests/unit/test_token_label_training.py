@@ -221,7 +221,7 @@ def test_file_batches_carry_the_file_used_and_its_crop(folder_maps):
 def test_the_step_loss_is_token_labeling_loss_of_the_mixed_forward(maps):
     plan = make_plan(make_config(*_run_settings(maps, "optim.name=sgd")))
     step = build_training_step(plan)
-    model, hook = step.model, step.mix_token
+    model, hook = step.model, step.objective.mix_token
     torch.manual_seed(0)
     images = torch.randn(8, 3, 14, 14)
     targets = torch.rand(8, 10, 5).softmax(1)
@@ -238,7 +238,7 @@ def test_the_step_loss_is_token_labeling_loss_of_the_mixed_forward(maps):
     expected = token_labeling_loss(cls_logits, aux_logits, targets[:, :, 0], targets[:, :, 1:], lam, 0.5, 1.0)
     unmixed = token_labeling_loss(plain[0], plain[1], targets[:, :, 0], targets[:, :, 1:], 1.0, 0.5, 1.0)
     before = model.aux_head.weight.detach().clone()
-    loss, _ = step(images, targets, (box, lam))
+    loss, _ = step(images, targets, token_box=(box, lam))
     assert torch.allclose(loss, expected, rtol=1e-5) and not torch.allclose(loss, unmixed, rtol=1e-3), (loss, unmixed)
     assert not torch.equal(model.aux_head.weight, before)  # the dense loss trains the auxiliary head
     assert hook.box is None and not model.aux_output  # nothing stays set after the step

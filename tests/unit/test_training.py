@@ -92,6 +92,7 @@ def test_non_finite_loss_stops_with_step_and_hint(small_synthetic_overrides, cap
 def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
     from vitrain.config import precision_policy
     from vitrain.models import build_model
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def step_for(mode):
@@ -101,7 +102,7 @@ def test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy():
         policy = precision_policy("bf16", mode, "cpu")
         low_precision = apply_precision(model, policy)
         return model, TrainStep(
-            model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0, low_precision=low_precision
         )
 
     images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
@@ -129,6 +130,7 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
     weights need eps >= 1e-4 (config refuses less, see test_fp16_full_refuses_an_adam_eps_that_underflows)."""
     from vitrain.config import precision_policy
     from vitrain.models import build_model
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def losses_for(precision, mode):
@@ -137,7 +139,9 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
         policy = precision_policy(precision, mode, "cpu")
         low_precision = apply_precision(model, policy)
-        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
+        step = TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0, low_precision=low_precision
+        )
         torch.manual_seed(1)
         images, labels = torch.randn(8, 1, 14, 14), torch.randint(4, (8,))
         return [step(images, labels)[0].item() for _ in range(5)], model, step
@@ -158,6 +162,7 @@ def test_every_precision_policy_tracks_the_fp32_loss(precision, mode):
 def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
     from vitrain.config import precision_policy
     from vitrain.models import build_model
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def run(mode):
@@ -166,7 +171,9 @@ def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_reach_the_master():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         policy = precision_policy("bf16", mode, "cpu")
         low_precision = apply_precision(model, policy)
-        step = TrainStep(model, optimizer, build_grad_scaler(policy), policy, 0.0, 1.0, low_precision=low_precision)
+        step = TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 1.0, low_precision=low_precision
+        )
         torch.manual_seed(1)
         for _ in range(3):
             step(torch.randn(8, 1, 14, 14) + 2.0, torch.randint(4, (8,)))
@@ -243,13 +250,14 @@ def test_gradient_accumulation_equals_the_whole_batch(small_synthetic_overrides)
 def test_an_o2_step_refuses_to_run_without_its_low_precision_copy():
     from vitrain.config import precision_policy
     from vitrain.models import build_model
+    from vitrain.train.objectives import Classification
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     o2, autocast = precision_policy("bf16", "o2", "cpu"), precision_policy("bf16", "autocast", "cpu")
     with pytest.raises(ValueError, match="low-precision copy"):
-        TrainStep(model, optimizer, build_grad_scaler(o2), o2, 0.0, 1.0)
+        TrainStep(model, optimizer, build_grad_scaler(o2), o2, Classification(), 1.0)
     copy = apply_precision(model, o2)
     with pytest.raises(ValueError, match="low-precision copy"):
-        TrainStep(model, optimizer, build_grad_scaler(autocast), autocast, 0.0, 1.0, low_precision=copy)
+        TrainStep(model, optimizer, build_grad_scaler(autocast), autocast, Classification(), 1.0, low_precision=copy)

@@ -11,8 +11,13 @@ image's order first (:func:`vitrain.token_labeling.unmix_tokens`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from vitrain.train.losses import soft_target_cross_entropy
+
+def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against a distribution over the classes per image, averaged over the batch (timm's
+    ``SoftTargetCrossEntropy``); the training loss of mixed batches (``TrainingLoss``) is this one too."""
+    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
 def token_labeling_loss(

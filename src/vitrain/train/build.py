@@ -12,7 +12,8 @@
    checkpointing -> compile -> FSDP2 or DDP;
    The distillation teacher (``train.teacher``), frozen and whole on every process, is loaded here too;
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
-5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above;
+5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above and the run's objective,
+   what each step optimizes (:func:`build_objective`: classification, distillation or token labeling);
 6. **loaders**: training and evaluation data, the mixer of training batches (Mixup/CutMix), and token
    labeling's label maps (opened and checked against the training images);
 7. **weight EMA** (``train.ema_decay``): a copy of the initialized weights, laid out as the parameters;
@@ -46,11 +47,13 @@ from vitrain.models import build_model, load_pretrained
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
 from vitrain.seeds import derive_seed
-from vitrain.token_labeling.mixtoken import apply_mix_token
+from vitrain.token_labeling.mixtoken import MixTokenHook, apply_mix_token
 from vitrain.token_labeling.training import TokenTargets
 from vitrain.train.attention_probe import choose_attention
 from vitrain.train.ema import ModelEma
 from vitrain.train.host_memory import configure_host_allocator
+from vitrain.train.losses import DistillationLoss
+from vitrain.train.objectives import Classification, Distillation, Objective, TokenLabeling
 from vitrain.train.optim import build_optimizer
 from vitrain.train.state import TrainState
 from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
@@ -128,23 +131,34 @@ def build_training_step(plan: Plan) -> TrainStep:
         optimizer,
         build_grad_scaler(plan.precision),
         plan.precision,
-        plan.step.label_smoothing,
+        build_objective(plan, teacher, mix_token),
         plan.step.grad_clip,
         micro_batch=plan.batch.micro_batch,
         low_precision=low_precision,
         forward_module=forward_module,
         agree_on_skip=_agree_across_processes if several else None,
-        loss=plan.step.loss,
-        teacher=teacher,
-        distill=plan.step.distill,
-        token_labels=token_labels,
-        mix_token=mix_token,
     )
     if several:
         # the same weights everywhere (seeded alike), but each data slice its own dropout / drop-path
         # draws (tensor-parallel peers compute one slice together, so they draw alike)
         torch.manual_seed(derive_seed(plan.seed, plan.world.data_rank))
     return step
+
+
+def build_objective(plan: Plan, teacher: nn.Module | None = None, mix_token: MixTokenHook | None = None) -> Objective:
+    """What the plan's step optimizes: token labeling (with ``mix_token``, the MixToken hook on the running
+    model), distillation from ``teacher``, or classification by ``train.loss`` and label smoothing."""
+    step = plan.step
+    classification = Classification(step.loss, step.label_smoothing)
+    if step.token_labels is not None:
+        return TokenLabeling(step.token_labels, mix_token)
+    if step.distill is not None:
+        if teacher is None:
+            raise ValueError("distillation needs the teacher of its DistillPlan")
+        distill = step.distill
+        loss = DistillationLoss(classification.criterion, distill.kind, distill.alpha, distill.tau)
+        return Distillation(loss, teacher)
+    return classification
 
 
 def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.Module:

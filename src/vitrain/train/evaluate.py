@@ -11,7 +11,7 @@ from torch import nn
 
 from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import all_reduce_
-from vitrain.train.step import both_heads
+from vitrain.train.objectives import both_heads
 
 
 @torch.inference_mode()

@@ -21,10 +21,9 @@ from tqdm import tqdm
 from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, load_resume_payload
 from vitrain.config import Plan, Stage
 from vitrain.data.mixing import mixing_generator
-from vitrain.metrics import MetricsSinks, NullWriter, build_metrics_sinks
+from vitrain.metrics import MetricsSinks, NullWriter, ThroughputMeter, build_metrics_sinks
 from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.profiling import StepProfiler
-from vitrain.metrics.utilization import WindowPeakMemory, achieved_tflops, training_flops, utilization
 from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
@@ -69,17 +68,11 @@ class Trainer:
         self.stop = stop or StopSignals()  # not entered: no signal is ever recorded
         self.stage: Stage | None = None
         self.last_eval_step = self.last_checkpoint_step = -1
-        self.session_images, self.session_train_s, self.session_data_wait_s = 0, 0.0, 0.0
-        self.window_images, self.window_started, self.window_data_wait_s = 0, 0.0, 0.0
-        self.window_reads = run.train_loader.read_counts  # None: in-memory data, no files read
-        self.session_bytes_read, self.session_files_opened = 0, 0
-        self.forward_flops, self.window_flops, self.session_flops = 0, 0, 0  # forward: per image, this stage
-        self.session_peak_mem_gib: float | None = None
-        self.memory = WindowPeakMemory(self.plan.device)
         # rank 0 alone writes metrics: the others skip the CPU's matmul probe
-        self.peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
-        if self.peak is not None and self.peak.tflops:
-            log.info("MFU divides by %.3g TFLOP/s per device (%s)", self.peak.tflops, self.peak.source)
+        peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
+        if peak is not None and peak.tflops:
+            log.info("MFU divides by %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
+        self.meter = ThroughputMeter(self.plan.device, self.plan.world.size, peak)
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
         self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)
@@ -90,7 +83,7 @@ class Trainer:
     def train_seconds(self) -> float:
         """Training seconds of the run so far, the open window included (host clock, no device sync).
         Several processes on a budget all take rank 0's clock, so they agree on LR, stages and the stop."""
-        seconds = self.run.state.train_s + (self.clock() - self.window_started)
+        seconds = self.run.state.train_s + (self.clock() - self.meter.window.started)
         if self.plan.world.size > 1 and self.plan.schedule.duration_unit == "seconds":
             seconds = rank0_value(seconds, self.plan.device)
         return seconds
@@ -227,25 +220,19 @@ class Trainer:
         )
 
     def _open_window(self) -> None:
-        self.window_images, self.window_started, self.window_data_wait_s = 0, self.clock(), 0.0
-        self.window_flops = 0
-        self.window_reads = self.run.train_loader.read_counts
-        self.memory.start()
+        self.meter.open_window(self.clock(), self.run.train_loader.read_counts)
 
     def _close_window(self, progress: tqdm) -> None:
         """Synchronize once, charge the window's seconds to training, write a metrics line."""
         state = self.run.state
-        if self.window_images == 0 or self.last_outputs is None:
+        if self.meter.window.images == 0 or self.last_outputs is None:
             return
         loss, grad_norm = self.last_outputs
         loss_value = all_reduce_(loss.detach().float().clone(), "mean").item()  # the host sync of the window
         grad_norm_value = grad_norm.item()
         self._check_skipped_steps(loss_value, grad_norm_value)
-        elapsed = self.clock() - self.window_started
+        elapsed, throughput = self.meter.close_window(self.clock(), self.run.train_loader.read_counts)
         state.train_s += elapsed
-        self.session_train_s += elapsed
-        self.session_images += self.window_images
-        self.session_data_wait_s += self.window_data_wait_s
         record = {
             "event": "train",
             "step": state.step,
@@ -254,10 +241,7 @@ class Trainer:
             "lr": scheduled_lr_of(self.run.optimizer),
             "grad_norm": grad_norm_value if math.isfinite(grad_norm_value) else None,
             "skipped_steps": state.skipped_steps,
-            "img_s": self.window_images / elapsed if elapsed > 0 else None,
-            **self._window_utilization(elapsed),
-            "data_wait_frac": self.window_data_wait_s / elapsed if elapsed > 0 else None,
-            **self._window_reads(elapsed),
+            **throughput,  # img_s, tflops, mfu, peak_mem_gib, data_wait_frac, read_mb_s, files_s
             "image_size": self.stage.image_size if self.stage else None,
             "bad_images": len(self.run.train_loader.bad_images.bad),
             **self._clocks(),
@@ -266,43 +250,6 @@ class Trainer:
         mfu = {} if record["mfu"] is None else {"mfu": f"{100 * record['mfu']:.1f}%"}
         progress.set_postfix(loss=f"{loss_value:.3f}", img_s=f"{record['img_s'] or 0:.0f}", **mfu, refresh=False)
         self._open_window()
-
-    def _window_utilization(self, elapsed: float) -> dict[str, float | None]:
-        """``tflops`` (the whole job's), ``mfu`` (per device) and ``peak_mem_gib`` of the window closing;
-        adds its FLOPs to the session's. No device sync: FLOPs are counted on the host per step."""
-        self.session_flops += self.window_flops
-        tflops = achieved_tflops(self.window_flops, elapsed)
-        peak_mem_gib = self.memory.peak_gib()
-        self.session_peak_mem_gib = max(self.session_peak_mem_gib or 0.0, peak_mem_gib)
-        return {"tflops": tflops, "mfu": self._mfu(tflops), "peak_mem_gib": peak_mem_gib}
-
-    def _window_reads(self, elapsed: float) -> dict[str, float | None]:
-        """``read_mb_s`` and ``files_s`` of the window closing: bytes of the image files this process's training
-        loader decoded (MB = 10^6 bytes) and files it opened, per second (None for in-memory data); adds them
-        to the session's."""
-        now, before = self.run.train_loader.read_counts, self.window_reads
-        if now is None or before is None or elapsed <= 0:
-            return {"read_mb_s": None, "files_s": None}
-        num_bytes, num_files = now[0] - before[0], now[1] - before[1]
-        self.session_bytes_read += num_bytes
-        self.session_files_opened += num_files
-        return {"read_mb_s": num_bytes / elapsed / 1e6, "files_s": num_files / elapsed}
-
-    def _session_reads(self) -> dict[str, float | None]:
-        """``mean_read_mb_s`` and ``mean_files_s`` of this session's training seconds (None for in-memory data)."""
-        if self.run.train_loader.read_counts is None or self.session_train_s <= 0:
-            return {"mean_read_mb_s": None, "mean_files_s": None}
-        seconds = self.session_train_s
-        return {
-            "mean_read_mb_s": self.session_bytes_read / seconds / 1e6,
-            "mean_files_s": self.session_files_opened / seconds,
-        }
-
-    def _mfu(self, tflops: float | None) -> float | None:
-        """MFU of the job's ``tflops``: per device, against this device's peak (None when unknown)."""
-        if self.peak is None or tflops is None:
-            return None
-        return utilization(tflops / self.plan.world.size, self.peak)[0]
 
     def _check_skipped_steps(self, loss_value: float, grad_norm_value: float) -> None:
         """Bring the skip counts into the state; stop when a streak passed train.max_skipped_steps."""
@@ -341,7 +288,7 @@ class Trainer:
                     }
                 )
             self.stage = stage
-            self.forward_flops = self._forward_flops(stage.image_size)
+            self.meter.forward_flops = self._forward_flops(stage.image_size)
         self.run.train_loader.configure(stage.image_size, stage.batch_size)
 
     def _forward_flops(self, image_size: int) -> int:
@@ -362,7 +309,7 @@ class Trainer:
         while True:
             waiting_since = self.clock()  # data wait: host time blocked on the loader (workers behind)
             batch = next(batches, None)
-            self.window_data_wait_s += self.clock() - waiting_since
+            self.meter.waited_for_data(self.clock() - waiting_since)
             if batch is None:
                 return True
             apply_lr(run.optimizer, scheduled_lr(plan.schedule, state, self.train_seconds()))
@@ -377,8 +324,7 @@ class Trainer:
             images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
             state.epoch_images += images_in_step
-            self.window_images += images_in_step
-            self.window_flops += training_flops(self.forward_flops, images_in_step)
+            self.meter.stepped(images_in_step)
             position = min(1.0, self.progress()) * plan.schedule.run_length
             progress.update(round(position) - progress.n)
             if state.step % plan.loop.log_every_steps == 0:
@@ -444,23 +390,17 @@ class Trainer:
 
     def _summary(self, preempted: str | None = None) -> dict[str, Any]:
         """Write summary.json and hand the summary to the metric sinks."""
-        tflops = achieved_tflops(self.session_flops, self.session_train_s)
+        meter = self.meter
         summary = write_summary(
             self.run,
             self.clock() - self.wall_started,
-            self.session_images,
-            self.session_train_s,
-            self.session_data_wait_s,
+            meter.images,
+            meter.train_s,
+            meter.data_wait_s,
             preempted,
-            {
-                "mean_tflops": tflops,
-                "mean_mfu": self._mfu(tflops),
-                "mfu_peak_tflops": self.peak.tflops if self.peak is not None else None,
-                "mfu_peak_source": self.peak.source if self.peak is not None else None,
-                "peak_mem_gib": self.session_peak_mem_gib,
-            },
+            meter.session_utilization(),
             self.profiler.files,
-            self._session_reads(),
+            meter.session_reads(self.run.train_loader.read_counts),
         )
         self.metrics.log_summary(summary)
         return summary

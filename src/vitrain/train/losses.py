@@ -16,11 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vitrain.data.mixing import smoothed_one_hot
-
-
-def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against a distribution over the classes per image, averaged over the batch."""
-    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+from vitrain.token_labeling.loss import soft_target_cross_entropy
 
 
 def binary_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 
 from vitrain.config import ConfigError, OptimizerPlan
@@ -287,6 +288,27 @@ class Lamb(torch.optim.Optimizer):
                 updates, [ratio.to(update.dtype) for ratio, update in zip(ratios, updates, strict=True)]
             )
         torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+
+@torch.optim.Optimizer.profile_hook_step  # the step hooks run around it, as around step()
+@torch.no_grad()
+def adam_step_unless_found_inf(optimizer: torch.optim.Adam, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` of a torch Adam/AdamW with ``found_inf`` (a device flag) handed to its fused kernel,
+    which then leaves parameters, moments and step counts as they were where the flag is set: the input
+    torch's GradScaler gives the kernel, here an argument instead of the ``grad_scale``/``found_inf``
+    attributes ``Adam.step`` would read off the optimizer. The same update as ``step()`` otherwise."""
+    for group in optimizer.param_groups:
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam_update(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+            fused=group["fused"], grad_scale=None, found_inf=found_inf,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )  # fmt: skip
 
 
 def implementation_flags(implementation: str, device: str) -> dict[str, bool]:

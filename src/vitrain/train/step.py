@@ -1,5 +1,8 @@
 """One training step: forward, loss, backward, clip, optimizer. No I/O, no sync (the loop sets the LR).
 
+The step holds how it computes (precision, gradient accumulation, clipping, skips); what it computes, the
+forward of a micro-batch and its loss, is the run's objective (:mod:`vitrain.train.objectives`).
+
 A step whose loss or gradient norm is not finite changes nothing: no parameter, optimizer-state or
 BatchNorm-statistics update (fp16 loss scaling's semantics, for every precision). With a fused
 AdamW the skip happens on the device (the kernel's ``found_inf`` input, as torch's GradScaler uses
@@ -11,18 +14,17 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from vitrain.config.plan import DistillPlan, TokenLabelPlan
 from vitrain.config.precision import PrecisionPolicy
 from vitrain.parallel.distributed import holds_dtensors, local_shard
-from vitrain.token_labeling.loss import token_labeling_loss
-from vitrain.token_labeling.mixtoken import MixTokenHook, TokenBox
-from vitrain.train.losses import DistillationLoss, TrainingLoss
+from vitrain.train.objectives import Objective, Outputs
+from vitrain.train.optim import adam_step_unless_found_inf
 
 
 class HalfWeightsGradScaler(torch.amp.GradScaler):
@@ -184,50 +186,32 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> LowPrecisionWe
     return None
 
 
-HEAD_SWITCHES = {"distill": "set_distilled_training", "aux": "set_aux_output"}
-"""The model method that makes a forward return two heads apart: the distillation head, the auxiliary head."""
+class StudentForward:
+    """The training forward of ``module`` (the module each step calls) in ``policy``'s precision: inputs cast to
+    the compute dtype for low-precision weights (O2's copy, full), else under the policy's training autocast.
+    What a step hands its :class:`~vitrain.train.objectives.Objective` as the model."""
 
+    def __init__(self, module: nn.Module, policy: PrecisionPolicy):
+        self.module, self.policy = module, policy
 
-@contextlib.contextmanager
-def both_heads(module: nn.Module, which: str = "distill"):
-    """While inside, models among ``module``'s submodules with a distillation token (``which="distill"``:
-    ``set_distilled_training``) return ``(cls_logits, dist_logits)`` from a training forward; with an
-    auxiliary head (``which="aux"``: ``set_aux_output``), ``(cls_logits, aux_logits)`` from any forward. Set on
-    the inner model so the call still goes through ``module`` (DDP's and FSDP's hooks run); other models
-    return plain logits."""
-    switch = HEAD_SWITCHES[which]
-    students = [child for child in module.modules() if hasattr(child, switch)]
-    for student in students:
-        getattr(student, switch)(True)
-    try:
-        yield
-    finally:
-        for student in students:
-            getattr(student, switch)(False)
-
-
-def _as_pair(outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(class logits, distillation logits) in fp32; a model without a distillation token gives its logits as both."""
-    cls_logits, dist_logits = outputs if isinstance(outputs, tuple) else (outputs, outputs)
-    return cls_logits.float(), dist_logits.float()
+    def __call__(self, images: torch.Tensor) -> Outputs:
+        if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
+            return self.module(images.to(self.policy.compute_dtype))
+        with self.policy.training_context():
+            return self.module(images)
 
 
 class TrainStep:
     """Callable holding what every step needs; returns the loss and grad norm as device tensors.
     After each call ``skipped`` is a device flag (float 1.0 or 0.0): the step's update was skipped.
 
-    ``low_precision``: O2's copy from :func:`apply_precision`; ``forward_module``: the module each step
-    calls (the model or that copy, possibly wrapped by ``parallelize``); ``micro_batch``: images per
-    forward/backward (gradient accumulation; None: the whole batch at once); ``agree_on_skip``: with
-    several processes, makes every process skip when one does (each sees only its own loss); ``loss``:
-    ``ce`` or ``bce`` (:class:`~vitrain.train.losses.TrainingLoss`): on hard labels with ``label_smoothing``,
-    or on the soft targets of mixed batches, which hold their smoothing. ``teacher`` and ``distill``: knowledge
-    distillation (:class:`~vitrain.train.losses.DistillationLoss`): the frozen teacher runs on each
-    micro-batch (no gradient, under the policy's autocast) and the student returns both heads' logits.
-    ``token_labels``: token labeling; the step's targets are ``(B, C, 1 + N)`` dense targets
-    (:class:`~vitrain.token_labeling.training.TokenTargets`) and the model returns its class and auxiliary
-    heads apart; ``mix_token``: the MixToken hook on the running model's patch embedding (each call then takes
-    its ``token_box``)."""
+    ``objective``: what each micro-batch computes, its forward and loss (:mod:`vitrain.train.objectives`:
+    classification, distillation, token labeling); the step calls it with a :class:`StudentForward` of the
+    module that runs and does the rest: precision, accumulation, clipping, skips. ``low_precision``: O2's copy
+    from :func:`apply_precision`; ``forward_module``: the module each step calls (the model or that copy,
+    possibly wrapped by ``parallelize``); ``micro_batch``: images per forward/backward (gradient accumulation;
+    None: the whole batch at once); ``agree_on_skip``: with several processes, makes every process skip when
+    one does (each sees only its own loss)."""
 
     def __init__(
         self,
@@ -235,37 +219,24 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
         policy: PrecisionPolicy,
-        label_smoothing: float,
+        objective: Objective,
         grad_clip: float | None,
         *,
         micro_batch: int | None = None,
         low_precision: LowPrecisionWeights | None = None,
         forward_module: nn.Module | None = None,
         agree_on_skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        loss: str = "ce",
-        teacher: nn.Module | None = None,
-        distill: DistillPlan | None = None,
-        token_labels: TokenLabelPlan | None = None,
-        mix_token: MixTokenHook | None = None,
     ):
         if (low_precision is not None) != (policy.weights == "low_precision_copy"):
             raise ValueError("precision_mode=o2 runs the low-precision copy from apply_precision(); nothing else does")
         self.model, self.optimizer, self.scaler, self.policy = model, optimizer, scaler, policy
-        if (teacher is None) != (distill is None):
-            raise ValueError("distillation needs both a teacher and its DistillPlan")
-        self.criterion, self.grad_clip = TrainingLoss(loss, label_smoothing), grad_clip
-        self.teacher = teacher
-        self.distillation = (
-            DistillationLoss(self.criterion, distill.kind, distill.alpha, distill.tau) if distill is not None else None
-        )
-        self.token_labels, self.mix_token = token_labels, mix_token
-        if mix_token is not None and (token_labels is None or not token_labels.mix_token):
-            raise ValueError("a MixToken hook needs token labels with mix_token on")
+        self.objective, self.grad_clip = objective, grad_clip
         self.low_precision = low_precision
         self.sharded = holds_dtensors(model)  # FSDP/TP shard before the step is built
         if forward_module is None:
             forward_module = low_precision.compute if low_precision is not None else model
         self.forward_module = forward_module
+        self.student = StudentForward(forward_module, policy)
         self.micro_batch = micro_batch
         self.batchnorm = BatchNormStatistics(model)
         self.device_skip = supports_device_skip(optimizer)
@@ -282,23 +253,13 @@ class TrainStep:
         if self.low_precision is not None:
             self.low_precision.push_weights()
 
-    def _mixing(self, images: torch.Tensor, token_box: tuple[TokenBox, float] | None):
-        """MixToken with ``token_box`` for the forwards inside (nothing without a hook or a box)."""
-        if self.mix_token is None or token_box is None:
-            return contextlib.nullcontext()
-        grid = self.token_labels.grid(images.shape[-1])
-        return self.mix_token.mixing(token_box[0], (grid, grid))
-
     def warm_up(self, batches: Iterable[torch.Tensor]) -> None:
-        """Forward and backward of each batch with no gradient reduction across processes and no update,
-        then drop the gradients: compiles the training shapes before the clock starts (``train.compile``);
-        with MixToken, with a box set, as every training forward has one."""
+        """Forward (the objective's :meth:`~vitrain.train.objectives.Objective.warm_up`) and backward of each
+        batch with no gradient reduction across processes and no update, then drop the gradients: compiles the
+        training shapes before the clock starts (``train.compile``)."""
         for images in batches:
-            box = (TokenBox(0, 1, 0, 1), 1.0) if self.mix_token is not None else None
-            with deferred_gradient_sync(self.forward_module), self._mixing(images, box):
-                if self.teacher is not None:
-                    self._teacher_logits(images)
-                outputs = self._forward(images)
+            with deferred_gradient_sync(self.forward_module):
+                outputs = self.objective.warm_up(self.student, images)
                 sum(
                     logits.float().sum() for logits in (outputs if isinstance(outputs, tuple) else (outputs,))
                 ).backward()
@@ -307,65 +268,30 @@ class TrainStep:
             for param in module.parameters():
                 param.grad = None
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.teacher is not None:
-            heads = both_heads(self.forward_module, "distill")
-        elif self.token_labels is not None:
-            heads = both_heads(self.forward_module, "aux")
-        else:
-            heads = contextlib.nullcontext()
-        with heads:
-            if self.policy.casts_inputs:  # O2's copy and full: low-precision weights, no autocast
-                return self.forward_module(images.to(self.policy.compute_dtype))
-            with self.policy.training_context():
-                return self.forward_module(images)
-
-    @torch.no_grad()
-    def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
-        """The frozen teacher on the student's (normalized, mixed) images, in the run's precision."""
-        with self.policy.autocast_context():
-            return self.teacher(images).float()
-
-    def _loss(
-        self, images: torch.Tensor, labels: torch.Tensor, token_box: tuple[TokenBox, float] | None = None
-    ) -> torch.Tensor:
-        """The forward and the loss of one micro-batch (with the teacher's forward when distilling; mixed by
-        ``token_box`` and against dense targets with token labels)."""
-        if self.token_labels is not None:
-            plan = self.token_labels
-            with self._mixing(images, token_box):
-                cls_logits, aux_logits = self._forward(images)
-                if self.mix_token is not None:
-                    aux_logits = self.mix_token.unmix(aux_logits)
-            lam = token_box[1] if token_box is not None else 1.0
-            return token_labeling_loss(
-                cls_logits, aux_logits, labels[:, :, 0], labels[:, :, 1:], lam, plan.dense_weight, plan.cls_weight
-            )
-        if self.distillation is None:
-            return self.criterion(self._forward(images).float(), labels)
-        teacher_logits = self._teacher_logits(images)
-        cls_logits, dist_logits = _as_pair(self._forward(images))
-        return self.distillation(cls_logits, dist_logits, labels, teacher_logits)
+    def _loss(self, images: torch.Tensor, targets: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """The objective's forward and loss of one micro-batch."""
+        outputs = self.objective.forward(self.student, images, targets, **context)
+        return self.objective.loss(outputs, targets, **context)
 
     def __call__(
-        self, images: torch.Tensor, labels: torch.Tensor, token_box: tuple[TokenBox, float] | None = None
+        self, images: torch.Tensor, targets: torch.Tensor, **context: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on the batch (``labels``: class indices, soft targets (B, classes) of a
-        mixed batch, or token labeling's dense targets with the step's MixToken ``token_box`` and its share
-        of own tokens), skipped when the loss or gradient norm is not finite; with
-        ``micro_batch`` set, gradients are accumulated over micro-batches of that size (each loss weighted
-        by its share, so the update is the batch's) and DDP reduces them once, on the last."""
+        """One optimizer step on the batch (``targets``: what the objective takes: class indices, soft targets
+        (B, classes) of a mixed batch, or token labeling's dense targets; ``context``: the step's further
+        inputs to the objective, as token labeling's ``token_box``), skipped when the loss or gradient norm is
+        not finite; with ``micro_batch`` set, gradients are accumulated over micro-batches of that size (each
+        loss weighted by its share, so the update is the batch's) and DDP reduces them once, on the last."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.batchnorm.buffers:
             self.batchnorm.save()
-        micro = self.micro_batch or len(labels)
-        pieces = list(zip(images.split(micro), labels.split(micro), strict=True))
-        loss = torch.zeros((), device=labels.device)
-        for index, (piece_images, piece_labels) in enumerate(pieces):
+        micro = self.micro_batch or len(targets)
+        pieces = list(zip(images.split(micro), targets.split(micro), strict=True))
+        loss = torch.zeros((), device=targets.device)
+        for index, (piece_images, piece_targets) in enumerate(pieces):
             last = index == len(pieces) - 1
             with contextlib.nullcontext() if last else deferred_gradient_sync(self.forward_module):
-                share = len(piece_labels) / len(labels)
-                piece_loss = self._loss(piece_images, piece_labels, token_box) * share
+                share = len(piece_targets) / len(targets)
+                piece_loss = self._loss(piece_images, piece_targets, context) * share
                 self.scaler.scale(piece_loss).backward()
             loss += piece_loss.detach()
         if self.low_precision is not None:
@@ -389,12 +315,8 @@ class TrainStep:
     def _update(self, skipped: torch.Tensor) -> None:
         """The optimizer step, unless ``skipped``: on the device for fused Adam(W), else on the host."""
         if self.device_skip:
-            self.optimizer.grad_scale, self.optimizer.found_inf = None, skipped
-            try:
-                with self.optimizer_context():
-                    self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale, self.optimizer.found_inf
+            with self.optimizer_context():
+                adam_step_unless_found_inf(self.optimizer, skipped)
         elif not skipped.item():  # the host sync of this path
             with self.optimizer_context():
                 self.optimizer.step()
