@@ -16,12 +16,9 @@ import logging
 import os
 import sys
 
-from vitrain.checkpoint import CheckpointError
 from vitrain.cli import bench, catalog, checkpoints, data, doctor, report, train
 from vitrain.cli.common import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_PREEMPTED
 from vitrain.config import ConfigError
-from vitrain.train.loop import TrainingDiverged
-from vitrain.train.signals import Preempted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +71,14 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+def _loaded(module: str, name: str) -> tuple[type[BaseException], ...]:
+    """The exception class ``module.name`` when a command has imported that module, else none: an
+    exception of a module never imported cannot have been raised, and ``vitrain --help`` need not import
+    the modules (and torch) to map them to exit codes."""
+    error = getattr(sys.modules.get(module), name, None)
+    return () if error is None else (error,)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -90,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
-    except (ConfigError, CheckpointError) as error:
+    except (ConfigError, *_loaded("vitrain.io", "CheckpointError")) as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except TrainingDiverged as error:
+    except _loaded("vitrain.train.loop", "TrainingDiverged") as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return 1
-    except Preempted as stop:
+    except _loaded("vitrain.train.signals", "Preempted") as stop:
         print(f"vitrain: {stop}", file=sys.stderr)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:

@@ -10,7 +10,6 @@ from pathlib import Path
 from vitrain.cli.common import _add_config_arguments, _write_json, processes
 from vitrain.config import Config, ConfigError, Hardware, build_config
 from vitrain.recipes import get_recipe
-from vitrain.train import make_plan
 
 
 def _add_bench_window_arguments(bench) -> None:
@@ -121,6 +120,7 @@ def _add_bench_data_parser(commands) -> None:
 
 def command_bench(args: argparse.Namespace) -> int:
     from vitrain.bench import BenchSettings, bench_overrides, compare_with_timm, format_table, measure_training_step
+    from vitrain.train import make_plan
 
     settings = BenchSettings(
         steps=args.steps,
@@ -196,6 +196,7 @@ def command_bench_data(args: argparse.Namespace) -> int:
 
 def _bench_scaling(args: argparse.Namespace, config: Config) -> int:
     from vitrain.bench.scaling import format_scaling, parse_nproc, plot_scaling, run_scaling
+    from vitrain.train import make_plan
 
     try:
         counts = parse_nproc(args.nproc)
@@ -225,6 +226,7 @@ def _bench_ladder(args: argparse.Namespace, base: Config, flags: list[str], sett
 
     from vitrain.bench import format_ladder, ladder_rungs, plot_ladder, run_ladder
     from vitrain.models import model_spec
+    from vitrain.train import make_plan
     from vitrain.train.attention_probe import candidates as attention_candidates
 
     try:

@@ -8,7 +8,6 @@ import argparse
 from vitrain.cli.common import _add_config_arguments, load_config
 from vitrain.config import Config, ConfigError, World, config_to_yaml
 from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
-from vitrain.train import make_plan
 
 
 def _add_show_config_parser(commands) -> None:
@@ -44,6 +43,8 @@ def command_show_config(args: argparse.Namespace) -> int:
 def measured_comment(config: Config) -> str:
     """YAML comments: what the config's ``auto`` precision, mode and CPU kernels measure on this machine (cached
     after the first time), or why they could not be measured here."""
+    from vitrain.train import make_plan
+
     try:
         plan = make_plan(config)
     except ConfigError as error:

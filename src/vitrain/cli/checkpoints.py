@@ -7,10 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from vitrain.checkpoint import resolve_checkpoint_argument
 from vitrain.cli.common import _add_config_arguments
 from vitrain.config import ConfigError
-from vitrain.train import make_plan
 
 
 def _add_checkpoint_parsers(commands) -> None:
@@ -81,10 +79,11 @@ def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def command_eval(args: argparse.Namespace) -> int:
+    from vitrain.checkpoint import resolve_checkpoint_argument
     from vitrain.checkpoint.sharded import read_checkpoint_model
     from vitrain.data import Normalize, build_loaders
     from vitrain.predict import checkpoint_config
-    from vitrain.train import build_model_for
+    from vitrain.train import build_model_for, make_plan
     from vitrain.train.evaluate import evaluate
 
     args.checkpoint = resolve_checkpoint_argument(args.checkpoint)  # a run folder: its best checkpoint
@@ -100,6 +99,7 @@ def command_eval(args: argparse.Namespace) -> int:
 
 
 def command_export(args: argparse.Namespace) -> int:
+    from vitrain.checkpoint import resolve_checkpoint_argument
     from vitrain.checkpoint.onnx import export_onnx
     from vitrain.checkpoint.sharded import export_model, export_timm
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from vitrain.cli.common import _add_config_arguments, _write_json, load_config, processes
 from vitrain.config import Config, ConfigError
 from vitrain.recipes import get_recipe
-from vitrain.train import make_plan
 
 
 def _add_download_parser(commands) -> None:
@@ -119,9 +118,12 @@ def command_shard(args: argparse.Namespace) -> int:
 
 
 def command_label(args: argparse.Namespace) -> int:
+    config = load_config(get_recipe(args.recipe), args)
+    from vitrain.train import make_plan  # first: vitrain.train and vitrain.token_labeling import each other
+
+    # isort: split
     from vitrain.token_labeling.label import LabelSettings, label_training_set
 
-    config = load_config(get_recipe(args.recipe), args)
     settings = LabelSettings(
         teacher=args.teacher,
         out=args.out,

@@ -26,9 +26,10 @@ def _add_doctor_parser(commands) -> None:
 
 
 def command_doctor(args: argparse.Namespace) -> int:
+    config = load_config(get_recipe(args.recipe), args)
     from vitrain.doctor import format_report, run_doctor
 
-    report = run_doctor(load_config(get_recipe(args.recipe), args), device=args.device, out=args.out)
+    report = run_doctor(config, device=args.device, out=args.out)
     print(format_report(report))
     _write_json(args.json, report.to_dict())
     return report.exit_code

@@ -11,7 +11,6 @@ from pathlib import Path
 from vitrain.cli.common import EXIT_BAD_INPUT, _add_config_arguments, load_config, log, processes
 from vitrain.config import Config, ConfigError, World
 from vitrain.recipes import get_recipe
-from vitrain.train import make_plan
 
 
 def _add_train_parsers(commands) -> None:
@@ -91,11 +90,13 @@ def command_slurm(args: argparse.Namespace) -> int:
     """The batch script, written only once the training arguments resolve to a run of nodes x GPUs CUDA
     processes here, as ``vitrain train`` checks them (recipe, --config, --set, resolve()), the files on the
     cluster (data.root, checkpoints, teachers, label maps) not looked for (``check_train_config``)."""
-    from vitrain.parallel.slurm import SlurmJob, check_train_config, sbatch_script
-
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be >= 1")
+    train = _parse_train_args(train_args)  # bad train arguments fail here, not on the cluster
+    config = load_config(get_recipe(train.recipe), train)  # and a bad --set before torch is imported
+    from vitrain.parallel.slurm import SlurmJob, check_train_config, sbatch_script
+
     job = SlurmJob(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -107,8 +108,7 @@ def command_slurm(args: argparse.Namespace) -> int:
         numa_binding=not args.no_numa_binding,
         launcher=args.launcher,
     )
-    train = _parse_train_args(train_args)  # bad train arguments fail here, not on the cluster
-    check_train_config(load_config(get_recipe(train.recipe), train), job.nodes * job.gpus_per_node)
+    check_train_config(config, job.nodes * job.gpus_per_node)
     try:
         script = sbatch_script(job, train_args)
     except ValueError as error:  # what this environment's torchrun cannot do
@@ -132,9 +132,9 @@ def _print_result(summary: dict, world: World) -> None:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    from vitrain.train import train
-
     config = load_config(get_recipe(args.recipe), args)
+    from vitrain.train import make_plan, train  # torch: once the config is known to be good
+
     with processes(config) as world:
         summary = train(make_plan(config, world, measure=False), resume=args.resume)  # measures after its checks
     _print_result(summary, world)
@@ -144,10 +144,10 @@ def command_train(args: argparse.Namespace) -> int:
 def command_finetune(args: argparse.Namespace) -> int:
     """``train`` with ``train.init_from``: the recipe's config (timm weights: with the model holding them),
     or without --recipe the source's saved config."""
-    from vitrain.train import train
-
     config = load_config(_finetune_base(args), args)
     config.train.init_from = str(args.init_from)
+    from vitrain.train import make_plan, train
+
     with processes(config) as world:
         summary = train(make_plan(config, world, measure=False))  # measures after its checks
     _print_result(summary, world)
