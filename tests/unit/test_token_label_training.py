@@ -16,14 +16,14 @@ from PIL import Image
 from tests.conftest import assert_same_training_state, make_config
 from tests.unit.test_label_maps import SYNTHETIC
 from vitrain.checkpoint import find_latest_checkpoint
-from vitrain.cli import main, make_plan
+from vitrain.cli import main
 from vitrain.config import ConfigError, precision_policy
 from vitrain.data import build_loaders
 from vitrain.data.loader import epoch_order
 from vitrain.metrics import read_jsonl
 from vitrain.models import build_model
 from vitrain.token_labeling import TokenBox, token_labeling_loss
-from vitrain.train import train
+from vitrain.train import make_plan, train
 from vitrain.train.build import build_training_step
 from vitrain.train.evaluate import evaluate
 
