@@ -157,7 +157,14 @@ def test_unmeasured_auto_falls_back_and_the_kernels_are_not_wanted_where_they_ca
     assert plan.runtime.cpu_kernels == "auto"
 
 
-def test_a_real_probe_times_the_candidates_and_the_summary_keeps_the_figures(cache_dir, tmp_path):
+@pytest.fixture
+def patient_probe(monkeypatch):
+    """No step is too slow to time at the run's batch: on a busy machine the probe would otherwise halve
+    the batch, which these tests read back."""
+    monkeypatch.setattr(precision_choice, "MAX_STEP_S", 1e9)
+
+
+def test_a_real_probe_times_the_candidates_and_the_summary_keeps_the_figures(cache_dir, tmp_path, patient_probe):
     overrides = [
         *TINY,
         "data.name=synthetic",
@@ -217,7 +224,7 @@ def test_a_large_model_is_probed_at_the_batch_its_flops_allow_in_seconds(cache_d
     assert 1 <= batch <= 16 and all(size == batch for _, size in timed)  # 3 x 17.6 GFLOPs an image at 0.2 TFLOP/s
 
 
-def test_show_config_prints_the_measured_choice_and_its_figures(cache_dir, capsys):
+def test_show_config_prints_the_measured_choice_and_its_figures(cache_dir, capsys, patient_probe):
     from vitrain.cli import main
 
     argv = ["show-config", *[item for setting in TINY for item in ("--set", setting)]]
