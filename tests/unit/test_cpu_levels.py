@@ -115,9 +115,9 @@ def test_auto_measures_fp32_faster_where_bf16_is_emulated(model):
     """What ``precision=auto`` picks at each emulated level, by measurement. For the default recipe's model
     (through the doctor's line, which e6d2653's code answered from PyTorch's bf16 flag: bf16 O2 at the AVX-512
     level) fp32 at both levels: emulated bf16 measured 19x slower at the AVX2 level and 1.19x at the AVX-512
-    level on the AVX512-BF16 EPYC (2.5x on an Ice Lake Xeon). ViT-Ti/4 at 32 px: fp32 at the AVX2 level (18x);
-    at the AVX-512 level bf16 came within 1.14x of fp32 on the EPYC, too close to assert on every CPU model,
-    so there the choice is checked to be the fastest of the candidates it timed."""
+    level on the AVX512-BF16 EPYC (2.5x on an Ice Lake Xeon). ViT-Ti/4 at 32 px, measured at the AVX-512 level
+    only (at the AVX2 level it is 18x slower, as the default model is): bf16 came within 1.14x of fp32 on the
+    EPYC, too close to assert on every CPU model, so the choice is checked to be the fastest it timed."""
     from tests.conftest import make_config
     from vitrain.data import describe_source
     from vitrain.doctor import cpu, run_doctor
@@ -130,12 +130,15 @@ def test_auto_measures_fp32_faster_where_bf16_is_emulated(model):
         assert line.status == "PASS" and line.data["precision"] == "fp32", line.value
         assert set(line.data["img_s"]) >= {"fp32", "bf16 autocast", "bf16 o2"}
         return
+    if level == "avx2":  # the default model's case above already answers fp32 there, by 19x
+        pytest.skip(
+            "at the AVX2 level emulated bf16 is an order of magnitude slower for every model: "
+            "the close case, ViT-Ti/4, is measured at the AVX-512-without-bf16 level"
+        )
     config = make_config(*VIT_TI4_32PX, "precision=auto", "precision_mode=auto")
     measured = measure_precision(config, describe_source(config.data), detect_hardware("cpu"))
     assert {"fp32", "bf16 autocast", "bf16 o2"} <= set(measured.img_s), measured.describe()
     assert measured.chosen == max(measured.img_s, key=measured.img_s.get), measured.describe()
-    if level == "avx2":
-        assert measured.precision == "fp32", measured.describe()
 
 
 VIT_TI4_32PX = [
