@@ -208,4 +208,3 @@ def test_every_module_imports_first_in_a_fresh_process():
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("FAILED"), result.stdout[-500:] + result.stderr[-3000:]
-
