@@ -1,4 +1,4 @@
-"""What ``precision=auto`` (with ``precision_mode=auto`` and ``train.cpu_kernels=auto``) picks at each CPU level
+"""What ``precision=auto`` (with ``precision_mode=auto`` and ``performance.cpu_kernels=auto``) picks at each CPU level
 this machine can emulate, and the step rates of the candidates it compared: the table of docs/benchmarks.md.
 
 Each level runs in a subprocess of its own with an empty cache of measured choices (the fused kernels' build is

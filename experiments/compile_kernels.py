@@ -5,7 +5,7 @@ one process.
         --set model.attn_impl=matmul
 
 Three O2 bf16 training steps are built as ``vitrain bench`` builds them: ``kernels`` (the converted
-model, eager), ``compile`` (PyTorch's ops, each block compiled: ``train.compile``) and ``compile +
+model, eager), ``compile`` (PyTorch's ops, each block compiled: ``performance.compile``) and ``compile +
 kernels`` (the converted model, each block compiled: the registered ops run inside the compiled
 graphs). Every shape is compiled before the clock; then ``--rounds`` rounds time ``--steps`` steps of
 each arm in turn, so a shared host's drift falls on all three alike. Prints ms per step, img/s and
@@ -25,9 +25,9 @@ from vitrain.train import make_plan
 from vitrain.train.build import build_training_step
 
 ARMS = {
-    "kernels": ["train.cpu_kernels=auto", "train.compile=false"],
-    "compile": ["train.cpu_kernels=native", "train.compile=true"],
-    "compile + kernels": ["train.cpu_kernels=auto", "train.compile=true"],
+    "kernels": ["performance.cpu_kernels=auto", "performance.compile=false"],
+    "compile": ["performance.cpu_kernels=native", "performance.compile=true"],
+    "compile + kernels": ["performance.cpu_kernels=auto", "performance.compile=true"],
 }
 
 

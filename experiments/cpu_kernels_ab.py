@@ -4,7 +4,7 @@
         --rounds 4 --steps 2 --set model.attn_impl=matmul
 
 One O2 bf16 training step is built as ``vitrain bench`` builds it; then, for ``--rounds`` rounds,
-``--steps`` steps are timed with ``train.cpu_kernels=native`` and as many with ``auto`` (one untimed
+``--steps`` steps are timed with ``performance.cpu_kernels=native`` and as many with ``auto`` (one untimed
 step after each switch). Alternating within one process cancels the drift of a shared host's speed,
 which between separate processes was as large as the effect (±5 %). Prints ms per step per round and
 the medians.

@@ -84,7 +84,7 @@ MODELS = [
     ("vit_b16", "vit_base_patch16", []),
     ("vit_s16", "vit_small_patch16", []),
     ("volo_d1", "volo_d1", []),
-    ("resnet50_cl", "resnet50", ["--set", "train.channels_last=true"]),
+    ("resnet50_cl", "resnet50", ["--set", "performance.channels_last=true"]),
 ]
 
 
@@ -121,7 +121,7 @@ def window_flags(sizes: Sizes) -> list[str]:
 def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--set", f"train.device={device}"]
     if device == "cpu":  # the dry run checks the stages, not the CPU kernels (their build is tested apart)
-        common += ["--set", "train.cpu_kernels=native"]
+        common += ["--set", "performance.cpu_kernels=native"]
     windows = window_flags(sizes)
     stages = []
     for name, model, extra in MODELS:
@@ -171,7 +171,7 @@ def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--precision-mode", "o2"]
     common += ["--set", f"train.device={device}", "--compile", "--compile-backend", sizes.compile_backend]
     if device == "cpu":
-        common += ["--set", "train.cpu_kernels=native"]
+        common += ["--set", "performance.cpu_kernels=native"]
     common += window_flags(sizes)
     attention = "sdpa_cudnn" if device == "cuda" else "sdpa_math"
     stages = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 VARIANTS = {
     "plain": [],
-    "token-labels": ["model.aux_head=true", "data.token_labels={maps}", "train.mix_token=true"],
+    "token-labels": ["model.aux_head=true", "token_labels.maps={maps}", "token_labels.mix_token=true"],
 }
 
 

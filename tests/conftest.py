@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import struct
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitrain.config import Config, build_config
+from vitrain.config import MOVED_KEYS, Config, build_config
 from vitrain.config.resolve import fsdp_tp_runs_on
 from vitrain.parallel.slurm import torchrun_options
 from vitrain.train.step import TrainStep
@@ -81,7 +82,7 @@ def tiny_imagefolder(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def kernels_mode_restored():
-    """Every in-process training run sets the fused CPU kernels' mode for the process (``train.cpu_kernels``,
+    """Every in-process training run sets the fused CPU kernels' mode for the process (``performance.cpu_kernels``,
     ``native`` wherever they cannot apply, as in fp32): each test starts from the default, ``auto``, and
     leaves it so, whatever a test or a module's fixture (a run trained once for a module) set before."""
     from vitrain.kernels import build
@@ -109,10 +110,10 @@ def make_config(*overrides: str, base: Config | None = None) -> Config:
 
 def pinned_bf16_o2() -> list[str]:
     """bf16 O2 with the fused CPU kernels where they build here, else PyTorch's ops, pinned: two runs compared
-    bit for bit must compute alike, and ``train.cpu_kernels=auto`` measures and may choose either for each."""
+    bit for bit must compute alike, and ``performance.cpu_kernels=auto`` measures and may choose either for each."""
     from vitrain import kernels
 
-    return ["precision=bf16", "precision_mode=o2", f"train.cpu_kernels={'fused' if kernels.load() else 'native'}"]
+    return ["precision=bf16", "precision_mode=o2", f"performance.cpu_kernels={'fused' if kernels.load() else 'native'}"]
 
 
 SMALL_SYNTHETIC_RUN = [
@@ -182,3 +183,22 @@ def step_clock(monkeypatch) -> StepClock:
 
     monkeypatch.setattr(TrainStep, "__call__", timed_step)
     return clock
+
+
+def old_flat_layout(saved: dict) -> dict:
+    """A config dump (``Config.model_dump``) in the flat layout older versions saved: the keys of the ema,
+    distill, token_labels and performance sections back where :data:`vitrain.config.MOVED_KEYS` says they were."""
+    flat = copy.deepcopy(saved)
+    for old, new in reversed(MOVED_KEYS.items()):  # train.distill's kind last: it replaces the emptied section
+        section, key = old.split(".")
+        new_section, *middle, new_key = new.split(".")
+        holder = flat.get(new_section, {})
+        for part in middle:
+            holder = holder.get(part, {})
+        if new_key in holder:
+            flat.setdefault(section, {})[key] = holder.pop(new_key)
+    flat.get("performance", {}).pop("amx", None)  # newer than the flat layout
+    for empty in ("performance", "token_labels"):
+        assert flat.pop(empty, {}) == {}
+    assert flat.get("train", {}).pop("ema", {}) == {}
+    return flat

@@ -34,9 +34,9 @@ def settings(tmp_path_factory):
         # SGD, not Adam: the attention key bias gets a gradient of rounding noise only (softmax ignores a
         # constant shift), which Adam would scale up to a full-size step that differs between the runs
         "optim.name=sgd",
-        "train.distill=soft",
-        "train.distill_tau=2.0",
-        f"train.teacher={path}",
+        "train.distill.kind=soft",
+        "train.distill.tau=2.0",
+        f"train.distill.teacher={path}",
     ]
 
 

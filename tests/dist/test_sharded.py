@@ -137,7 +137,7 @@ def test_fsdp_o2_computes_in_bf16_and_keeps_fp32_master_weights(reference, tmp_p
     assert _losses(out_dir) != _losses(reference)  # and it did compute in bf16
 
 
-EMA = ["train.ema_decay=0.9", "train.ema_warmup=true"]
+EMA = ["train.ema.decay=0.9", "train.ema.warmup=true"]
 
 
 def _ema(path):

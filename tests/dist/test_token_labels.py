@@ -30,7 +30,7 @@ def settings(tmp_path_factory):
     argv = ["label", "--teacher", str(folder / "teacher.safetensors"), "--out", str(folder / "maps"), "--topk", "3"]
     assert main([*argv, *_set_args(_overrides(folder / "unused"))]) == 0
     # SGD, as the distillation test: Adam would scale the rounding noise of the attention key bias up
-    return ["model.aux_head=true", f"data.token_labels={folder / 'maps'}", "optim.name=sgd"]
+    return ["model.aux_head=true", f"token_labels.maps={folder / 'maps'}", "optim.name=sgd"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_token_labeling_over_two_processes_matches_one_process(reference, settin
 
 def test_mix_token_trains_over_two_processes(settings, tmp_path):
     out_dir = tmp_path / "run"
-    result = torchrun(["train", *_set_args(_overrides(out_dir, *settings, "train.mix_token=true"))], nproc=2)
+    result = torchrun(["train", *_set_args(_overrides(out_dir, *settings, "token_labels.mix_token=true"))], nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
     losses = _losses(out_dir)
     assert losses and all(loss == loss for loss in losses)

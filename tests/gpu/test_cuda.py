@@ -215,7 +215,7 @@ def test_the_step_uses_fused_adamw_on_cuda():
 def test_compile_equals_eager():
     """inductor's kernels reorder fp32 sums: gradients agree to ~1e-5 relative, not bitwise."""
     _, loss_ref, _, grads_ref = one_step("precision=fp32")
-    _, loss, _, grads = one_step("precision=fp32", "train.compile=true")
+    _, loss, _, grads = one_step("precision=fp32", "performance.compile=true")
     assert abs(loss.item() - loss_ref.item()) < 1e-5 * loss_ref.item()
     assert relative_error(grads, grads_ref) < 1e-4
 
@@ -230,7 +230,7 @@ def test_activation_checkpointing_saves_memory_and_changes_nothing():
             "model.name=vit_small_patch16",
             "data.image_size=224",
             "precision=bf16",
-            f"train.activation_checkpointing={checkpointing}",
+            f"performance.activation_checkpointing={checkpointing}",
             side=224,
         )
         peaks[checkpointing] = torch.cuda.max_memory_allocated()
@@ -244,7 +244,7 @@ def test_channels_last_resnet50_equals_contiguous():
     """cuDNN picks other convolution algorithms for NHWC: equal up to fp32 summation order."""
     common = ("model.name=resnet50", "data.image_size=64", "precision=fp32", "optim.name=sgd")
     _, loss_ref, _, grads_ref = one_step(*common, batch=8, side=64)
-    plan, loss, _, grads = one_step(*common, "train.channels_last=true", batch=8, side=64)
+    plan, loss, _, grads = one_step(*common, "performance.channels_last=true", batch=8, side=64)
     assert plan.runtime.channels_last
     assert abs(loss.item() - loss_ref.item()) < 1e-4 * loss_ref.item()
     assert relative_error(grads, grads_ref) < 1e-3

@@ -44,7 +44,7 @@ def test_checkpointed_blocks_give_identical_gradients_and_names(name, img_size, 
 
 def test_more_blocks_than_the_model_has_is_a_config_error():
     model = build_model("vit_tiny6_patch7", device="meta")
-    with pytest.raises(ConfigError, match="train.activation_checkpointing=7 but the model has 6 blocks"):
+    with pytest.raises(ConfigError, match="performance.activation_checkpointing=7 but the model has 6 blocks"):
         apply_activation_checkpointing(model, 7)
 
 
@@ -61,7 +61,7 @@ def test_training_with_checkpointing_ends_at_the_same_weights(small_synthetic_ov
     common = [*small_synthetic_overrides, *extra, "model.drop_path_rate=0.1", "train.steps=6"]
     plain = make_plan(make_config(*common, f"train.out_dir={tmp_path / 'plain'}"))
     checkpointed = make_plan(
-        make_config(*common, "train.activation_checkpointing=all", f"train.out_dir={tmp_path / 'ckpt'}")
+        make_config(*common, "performance.activation_checkpointing=all", f"train.out_dir={tmp_path / 'ckpt'}")
     )
     train(plain), train(checkpointed)
     first = load_checkpoint(plain.out_dir / "checkpoints" / "step-000000006.pt")["model"]

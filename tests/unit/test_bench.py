@@ -314,7 +314,7 @@ def test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_th
     assert set(alternatives) == {"model.attn_impl=sdpa", "model.attn_impl=matmul"} and rows[3]["chosen"] == faster
     kept = rows[4]["chosen"] is None  # compile stays on only if it measured faster than the rung before
     assert rows[4]["compile"] and rows[5]["precision_mode"] == "o2" and rows[6]["compile"] == kept
-    assert rows[6]["settings"][-1] == ("--compile" if kept else "train.activation_checkpointing=all")
+    assert rows[6]["settings"][-1] == ("--compile" if kept else "performance.activation_checkpointing=all")
     assert all(faster in row["settings"] for row in rows[3:])
     assert result["skipped"] == []
 
@@ -426,6 +426,6 @@ def test_compiled_step_with_activation_checkpointing_measures(precision_mode):
     from vitrain.bench import measure_training_step
 
     plan_for, settings = _ladder_plan_for("vit_tiny6_patch7", 14, 4)
-    plan = plan_for([f"precision_mode={precision_mode}", "train.activation_checkpointing=all"])
+    plan = plan_for([f"precision_mode={precision_mode}", "performance.activation_checkpointing=all"])
     record = measure_training_step(plan, dataclasses.replace(settings, compile=True))
     assert record["compile"] and record["img_s_median"] > 0

@@ -182,7 +182,7 @@ def test_the_cpu_training_paths_operators_all_have_a_category(kernels):
 
     settings = BenchSettings(steps=1, warmup=1, repeats=1, profile=1)
     flags = bench_overrides("vit_tiny6_patch7", 28, 4, "bf16", "o2", settings)
-    plan = make_plan(build_config(Config(), [], [*flags, f"train.cpu_kernels={kernels}"]))
+    plan = make_plan(build_config(Config(), [], [*flags, f"performance.cpu_kernels={kernels}"]))
     parts = measure_training_step(plan, settings)["step_breakdown"]
     unnamed = [row["name"] for row in parts["top"] if row["category"] == "other"]
     assert parts["categories_ms"].get("other", 0) < 0.02 * parts["busy_ms"], unnamed

@@ -42,7 +42,7 @@ RUN = [*SMALL_SYNTHETIC_RUN, "train.steps=2"]
 TIMM_ARCH = "vit_tiny_patch16_224"
 """timm weights for ``finetune --from timm:NAME --set train.init_weights=F`` (vitrain's vit_tiny_patch16)."""
 TIMM_TEACHER = "test_resnet"
-"""A tiny timm model: ``train.teacher=NAME`` with ``train.teacher_weights=F``."""
+"""A tiny timm model: ``train.distill.teacher=NAME`` with ``train.distill.teacher_weights=F``."""
 STUDENT = ["model.distill_token=true", "model.head=cls"]
 """A student with DeiT's distillation token (it reads the CLS token: the recipe's pooled head would not do)."""
 
@@ -261,7 +261,7 @@ CHECKPOINT_COMMANDS: dict[str, Command] = {
     "train-init-from": lambda f, c: ["train", *c.run(f"train.init_from={f}")],
     "train-teacher": lambda f, c: [
         "train",
-        *c.run(*STUDENT, "train.distill=soft", f"train.teacher={f}"),
+        *c.run(*STUDENT, "train.distill.kind=soft", f"train.distill.teacher={f}"),
     ],
     "label-teacher": lambda f, c: ["label", "--teacher", str(f), "--out", str(c.tmp / "maps"), *c.run()],
 }
@@ -281,9 +281,9 @@ TIMM_WEIGHTS_COMMANDS: dict[str, Command] = {
         "train",
         *c.run(
             *STUDENT,
-            "train.distill=hard",
-            f"train.teacher={TIMM_TEACHER}",
-            f"train.teacher_weights={f}",
+            "train.distill.kind=hard",
+            f"train.distill.teacher={TIMM_TEACHER}",
+            f"train.distill.teacher_weights={f}",
         ),
     ],
 }
@@ -294,7 +294,7 @@ FOLDER_COMMANDS: dict[str, Command] = {  # commands that take a sharded checkpoi
 
 
 def _token_labels(maps: Path, c: Context) -> list[str]:
-    return ["train", *c.run("model.aux_head=true", f"data.token_labels={maps}")]
+    return ["train", *c.run("model.aux_head=true", f"token_labels.maps={maps}")]
 
 
 def _label_into(maps: Path, c: Context) -> list[str]:

@@ -1,4 +1,4 @@
-"""train.compile: every block compiled, every shape compiled before the clock, none during training.
+"""performance.compile: every block compiled, every shape compiled before the clock, none during training.
 
 A counting torch.compile backend (it runs the captured graph as is) records each graph compiled, so
 the tests see exactly when compilation happens without paying for inductor.
@@ -43,7 +43,9 @@ def compile_overrides(small_synthetic_overrides):
 
 
 def test_every_shape_compiles_before_the_clock_and_warm_up_changes_nothing(compile_overrides):
-    plan = make_plan(make_config(*compile_overrides, "train.compile=true", "train.compile_backend=counting_backend"))
+    plan = make_plan(
+        make_config(*compile_overrides, "performance.compile=true", "performance.compile_backend=counting_backend")
+    )
     assert forward_shapes(plan) == [(6, 14), (4, 14), (6, 28), (4, 28)]
     run = build_run(plan)
     weights = {name: value.clone() for name, value in run.model.state_dict().items()}
@@ -63,8 +65,8 @@ def test_compiled_training_equals_eager(compile_overrides, tmp_path):
     compiled = make_plan(
         make_config(
             *compile_overrides,
-            "train.compile=true",
-            "train.compile_backend=counting_backend",
+            "performance.compile=true",
+            "performance.compile_backend=counting_backend",
             f"train.out_dir={tmp_path / 'compiled'}",
         )
     )
@@ -87,17 +89,20 @@ def test_the_compile_mode_reaches_every_block_and_needs_inductor(compile_overrid
 
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **kwargs: calls.append((module, kwargs)))
-    mode, compiled = "train.compile_mode=max-autotune-no-cudagraphs", [*compile_overrides, "train.compile=true"]
-    plan = make_plan(make_config(*compiled, "train.compile_backend=inductor", mode))
+    mode, compiled = (
+        "performance.compile_mode=max-autotune-no-cudagraphs",
+        [*compile_overrides, "performance.compile=true"],
+    )
+    plan = make_plan(make_config(*compiled, "performance.compile_backend=inductor", mode))
     model = build_training_step(plan).forward_module
     assert [module for module, _ in calls] == list(model.block_modules())
     assert all(
         kwargs == {"backend": "inductor", "dynamic": False, "mode": "max-autotune-no-cudagraphs"} for _, kwargs in calls
     )
     calls.clear()
-    build_training_step(make_plan(make_config(*compiled, "train.compile_backend=inductor")))
+    build_training_step(make_plan(make_config(*compiled, "performance.compile_backend=inductor")))
     assert calls and all(kwargs["mode"] is None for _, kwargs in calls)  # default: torch's own
     with pytest.raises(ConfigError, match="compile_mode=max-autotune-no-cudagraphs is a mode of inductor"):
-        make_plan(make_config(*compiled, "train.compile_backend=counting_backend", mode))
+        make_plan(make_config(*compiled, "performance.compile_backend=counting_backend", mode))
     with pytest.raises(ConfigError, match="compile_mode"):
-        make_config(*compile_overrides, "train.compile_mode=turbo")
+        make_config(*compile_overrides, "performance.compile_mode=turbo")

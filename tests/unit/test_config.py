@@ -8,9 +8,10 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import make_config
+from tests.conftest import make_config, old_flat_layout
 from vitrain.cli import main
 from vitrain.config import (
+    MOVED_KEYS,
     Config,
     ConfigError,
     DatasetInfo,
@@ -22,6 +23,7 @@ from vitrain.config import (
     parse_override,
     precision_policy,
     resolve,
+    stored_config,
 )
 from vitrain.models import model_facts
 from vitrain.recipes import get_recipe, list_recipes
@@ -302,10 +304,10 @@ def test_every_recipe_validates_and_is_documented(tmp_path):
         config = get_recipe(name)
         assert config.recipe == name
         assert doc, f"recipe {name} has no docstring"
-        if config.train.teacher is not None and config.train.teacher_weights is None:
-            config.train.teacher_weights = teacher_weights
-        if config.data.token_labels is not None:  # resolve checks that the label-map folder exists
-            config.data.token_labels = tmp_path
+        if config.train.distill.teacher is not None and config.train.distill.teacher_weights is None:
+            config.train.distill.teacher_weights = teacher_weights
+        if config.token_labels.maps is not None:  # resolve checks that the label-map folder exists
+            config.token_labels.maps = tmp_path
         plan = resolve(
             config, imagenet if config.data.name == "imagefolder" else DATA, CPU_BF16, model_facts
         )  # model options fit
@@ -439,3 +441,75 @@ def test_show_config_ends_with_the_per_process_batch(capsys, monkeypatch, argv, 
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("# ") and expected in out.splitlines()[-1]
     assert yaml.safe_load(out)["train"]["batch_size"] == 256  # still YAML
+
+
+NESTED_SETTINGS = {
+    "train.ema.decay": "0.99",
+    "train.ema.warmup": "true",
+    "train.ema.every_steps": "2",
+    "train.ema.evaluate": "false",
+    "train.distill.kind": "soft",
+    "train.distill.alpha": "0.3",
+    "train.distill.tau": "2.0",
+    "train.distill.teacher": "runs/teacher",
+    "train.distill.teacher_weights": "teacher.pth",
+    "train.distill.teacher_model": "vit_tiny6_patch7",
+    "token_labels.maps": "maps",
+    "token_labels.mix_token": "true",
+    "token_labels.mix_token_alpha": "0.5",
+    "token_labels.dense_weight": "0.25",
+    "token_labels.cls_weight": "2.0",
+    "token_labels.ground_truth": "true",
+    "performance.activation_checkpointing": "all",
+    "performance.channels_last": "true",
+    "performance.host_allocator": "system",
+    "performance.cpu_kernels": "native",
+    "performance.compile": "true",
+    "performance.compile_backend": "eager",
+    "performance.compile_mode": "max-autotune-no-cudagraphs",
+}
+"""A value other than the default for every key that moved into a section."""
+
+
+def test_every_moved_key_has_a_non_default_setting_here():
+    assert sorted(NESTED_SETTINGS) == sorted(MOVED_KEYS.values())
+    config, defaults = make_config(*(f"{key}={value}" for key, value in NESTED_SETTINGS.items())), Config()
+    for key in NESTED_SETTINGS:
+        section, *path = key.split(".")
+        ours, theirs = getattr(config, section), getattr(defaults, section)
+        for part in path:
+            ours, theirs = getattr(ours, part), getattr(theirs, part)
+        assert ours != theirs, key
+
+
+@pytest.mark.parametrize("old", list(MOVED_KEYS))
+def test_an_old_flat_key_is_refused_naming_its_new_key(old, tmp_path):
+    value = NESTED_SETTINGS[MOVED_KEYS[old]]
+    expected = f"config key '{old}' is now '{MOVED_KEYS[old]}'; rename it"
+    with pytest.raises(ConfigError, match=re.escape(f"--set {old}={value}: {expected}")):
+        make_config(f"{old}={value}")
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {key: yaml.safe_load(value)}}))
+    with pytest.raises(ConfigError, match=re.escape(f"--config {path}: {expected}")):
+        build_config(Config(), [path])
+
+
+def test_an_old_flat_key_on_the_command_line_exits_2_with_one_line(capsys):
+    assert main(["show-config", "--set", "train.ema_decay=0.999"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'train.ema_decay' is now 'train.ema.decay'" in err and len(err.splitlines()) == 1
+
+
+def test_a_saved_config_in_the_flat_layout_reads_as_the_nested_one():
+    """Checkpoints, exports and config.yaml files of older versions hold the flat keys: they load, moved."""
+    config = make_config(*(f"{key}={value}" for key, value in NESTED_SETTINGS.items()))
+    saved = config.model_dump(mode="json")
+    flat = old_flat_layout(saved)
+    assert flat["train"]["distill"] == "soft" and flat["data"]["token_labels"] == "maps"
+    assert flat["train"]["compile_mode"] == "max-autotune-no-cudagraphs" and "performance" not in flat
+    with pytest.raises(ConfigError, match="is now"):  # loaded, the saved config takes only the new keys
+        build_config(stored_config(flat), [], ["train.distill=hard"])
+    assert stored_config(flat) == config
+    assert stored_config(saved) == config  # the nested layout as it is
+    assert stored_config(old_flat_layout(Config().model_dump(mode="json"))) == Config()

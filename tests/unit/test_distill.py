@@ -179,7 +179,7 @@ def test_teacher_from_bare_safetensors_needs_its_model_name(teacher_run, tmp_pat
     _, _, reference = teacher_run
     bare = tmp_path / "bare.safetensors"
     save_file({key: value.contiguous() for key, value in reference.state_dict().items()}, str(bare))
-    with pytest.raises(TeacherError, match="train.teacher_model"):
+    with pytest.raises(TeacherError, match="train.distill.teacher_model"):
         load_teacher(bare, num_classes=10)
     _assert_same_logits(load_teacher(bare, model="vit_tiny6_patch7", num_classes=10), reference)
 
@@ -237,8 +237,8 @@ def _student(folder, tmp_path, *extra):
     return make_config(
         *TEACHER_RUN,
         "model.distill_token=true",
-        "train.distill=hard",
-        f"train.teacher={folder}",
+        "train.distill.kind=hard",
+        f"train.distill.teacher={folder}",
         f"train.out_dir={tmp_path / 'student'}",
         *extra,
     )
@@ -248,7 +248,7 @@ def _student(folder, tmp_path, *extra):
 @pytest.mark.parametrize("micro", [None, 6])
 def test_the_step_loss_is_the_distillation_loss_and_both_heads_learn(teacher_run, tmp_path, kind, micro):
     folder, _, reference = teacher_run
-    extra = [f"train.distill={kind}", "train.distill_tau=2.0", "data.mixup=0.8"]
+    extra = [f"train.distill.kind={kind}", "train.distill.tau=2.0", "data.mixup=0.8"]
     run = build_run(make_plan(_student(folder, tmp_path, *extra, f"train.micro_batch_size={micro or 'null'}")))
     images = torch.randn(16, 3, 14, 14, generator=torch.Generator().manual_seed(0))
     targets = torch.softmax(torch.randn(16, 10, generator=torch.Generator().manual_seed(1)), dim=1)
@@ -272,9 +272,9 @@ def test_the_step_loss_is_the_distillation_loss_and_both_heads_learn(teacher_run
     "settings",
     [
         ["precision=fp32"],
-        ["precision=bf16", "precision_mode=o2", "train.cpu_kernels=native"],
-        ["train.compile=true", "train.compile_backend=eager", "train.micro_batch_size=8"],
-        ["model.distill_token=false", "train.distill=soft"],  # the class head learns from both
+        ["precision=bf16", "precision_mode=o2", "performance.cpu_kernels=native"],
+        ["performance.compile=true", "performance.compile_backend=eager", "train.micro_batch_size=8"],
+        ["model.distill_token=false", "train.distill.kind=soft"],  # the class head learns from both
     ],
     ids=["fp32", "bf16-o2", "compile", "no-token"],
 )
@@ -293,19 +293,19 @@ def test_a_short_distilled_run_trains_and_evaluates(teacher_run, tmp_path, setti
 def test_distillation_config_mistakes_are_refused_in_resolve(teacher_run, tmp_path):
     folder, _, _ = teacher_run
     cases = {
-        "needs a teacher": ["train.distill=hard"],
-        "no effect without distillation": [f"train.teacher={folder}"],
-        "--set train.teacher_weights=PATH": ["train.distill=hard", "train.teacher=regnety_160"],
-        "no such run folder or file": ["train.distill=soft", f"train.teacher={tmp_path / 'nowhere'}"],
-        "remove train.teacher_weights": [
-            "train.distill=soft",
-            f"train.teacher={folder}",
-            f"train.teacher_weights={folder / 'config.yaml'}",
+        "needs a teacher": ["train.distill.kind=hard"],
+        "no effect without distillation": [f"train.distill.teacher={folder}"],
+        "--set train.distill.teacher_weights=PATH": ["train.distill.kind=hard", "train.distill.teacher=regnety_160"],
+        "no such run folder or file": ["train.distill.kind=soft", f"train.distill.teacher={tmp_path / 'nowhere'}"],
+        "remove train.distill.teacher_weights": [
+            "train.distill.kind=soft",
+            f"train.distill.teacher={folder}",
+            f"train.distill.teacher_weights={folder / 'config.yaml'}",
         ],
         "not an option of resnet50": ["model.name=resnet50", "model.distill_token=true"],
         "model.head=gap": ["model.distill_token=true", "model.head=gap"],
-        "distill_alpha": ["train.distill_alpha=1.5"],
-        "distill_tau": ["train.distill_tau=0"],
+        "train.distill.alpha": ["train.distill.alpha=1.5"],
+        "train.distill.tau": ["train.distill.tau=0"],
     }
     for message, overrides in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -315,7 +315,7 @@ def test_distillation_config_mistakes_are_refused_in_resolve(teacher_run, tmp_pa
 def test_a_teacher_for_other_classes_fails_at_build_naming_both_counts(teacher_run, tmp_path):
     folder, _, _ = teacher_run
     plan = make_plan(_student(folder, tmp_path, "data.synthetic_num_classes=4"))
-    with pytest.raises(ConfigError, match=r"train.teacher=.*10 classes but the data has 4"):
+    with pytest.raises(ConfigError, match=r"train.distill.teacher=.*10 classes but the data has 4"):
         build_run(plan)
 
 

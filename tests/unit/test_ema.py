@@ -98,8 +98,8 @@ def _ema_and_weights(out_dir, step):
 @pytest.mark.parametrize(
     ("settings", "decay"),
     [
-        (["train.ema_decay=0.8", "train.ema_every_steps=2"], lambda step: 0.8),
-        (["train.ema_decay=0.99", "train.ema_warmup=true"], lambda step: ema_decay_at(step, 0.99, True)),
+        (["train.ema.decay=0.8", "train.ema.every_steps=2"], lambda step: 0.8),
+        (["train.ema.decay=0.99", "train.ema.warmup=true"], lambda step: ema_decay_at(step, 0.99, True)),
     ],
     ids=["every-2-steps", "warm-up"],
 )
@@ -130,7 +130,7 @@ def test_a_skipped_step_leaves_the_ema_as_it_was(small_synthetic_overrides, monk
         return forward(self, model, images, targets) * (NAN if len(calls) == 4 else 1.0)
 
     monkeypatch.setattr(Classification, "forward", forward_nan_at_step_4)
-    plan = make_plan(make_config(*_run_overrides(small_synthetic_overrides, "train.epochs=1", "train.ema_decay=0.8")))
+    plan = make_plan(make_config(*_run_overrides(small_synthetic_overrides, "train.epochs=1", "train.ema.decay=0.8")))
     train(plan)
     (ema_3, weights_3), (ema_4, weights_4), (ema_5, _) = (_ema_and_weights(plan.out_dir, step) for step in (3, 4, 5))
     assert load_checkpoint(plan.out_dir / "checkpoints" / "step-000000004.pt")["state"]["skipped_steps"] == 1
@@ -143,8 +143,8 @@ def test_a_skipped_step_leaves_the_ema_as_it_was(small_synthetic_overrides, monk
 def test_the_ema_averages_fp32_weights_in_low_precision_modes(small_synthetic_overrides, mode):
     """O2: the fp32 master, not its bf16 copy (with warm-up, the first update takes the weights exactly);
     full: an fp32 average of the bf16 weights."""
-    settings = ["precision=bf16", f"precision_mode={mode}", "train.steps=2", "train.ema_decay=0.9"]
-    settings += ["train.ema_warmup=true", "optim.eps=1e-4", "train.cpu_kernels=native"]  # no kernel build
+    settings = ["precision=bf16", f"precision_mode={mode}", "train.steps=2", "train.ema.decay=0.9"]
+    settings += ["train.ema.warmup=true", "optim.eps=1e-4", "performance.cpu_kernels=native"]  # no kernel build
     plan = make_plan(make_config(*_run_overrides(small_synthetic_overrides, *settings)))
     train(plan)
     (ema_1, weights_1), (ema_2, weights_2) = (_ema_and_weights(plan.out_dir, step) for step in (1, 2))
@@ -164,7 +164,7 @@ def test_the_ema_averages_fp32_weights_in_low_precision_modes(small_synthetic_ov
         assert torch.allclose(ema_2[key].double(), expected, rtol=0, atol=1e-6), key
 
 
-EMA_SETTINGS = ["train.ema_decay=0.9", "train.ema_warmup=true", "train.ema_every_steps=2"]
+EMA_SETTINGS = ["train.ema.decay=0.9", "train.ema.warmup=true", "train.ema.every_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_eval_records_summary_and_cli_carry_the_ema(ema_run, tmp_path, capsys):
     assert exported.keys() == saved.keys() and all(torch.equal(exported[key], saved[key]) for key in saved)
 
     # evaluating the average leaves training alone: without it, the same weights bitwise
-    plain = make_plan(make_config(*overrides, "train.ema_eval=false", f"train.out_dir={tmp_path / 'no-eval'}"))
+    plain = make_plan(make_config(*overrides, "train.ema.evaluate=false", f"train.out_dir={tmp_path / 'no-eval'}"))
     train(plain)
     assert_same_training_state(find_latest_checkpoint(plain.out_dir), final)
     assert "ema_top1" not in read_jsonl(plain.out_dir / "metrics.jsonl")[-1]
@@ -243,7 +243,7 @@ def test_eval_and_export_of_a_checkpoint_without_ema_say_so(small_synthetic_over
     assert (
         main(["export", "--checkpoint", checkpoint, "--out", str(tmp_path / "a.safetensors"), "--weights", "ema"]) == 2
     )
-    assert "train.ema_decay=0" in capsys.readouterr().err
+    assert "train.ema.decay=0" in capsys.readouterr().err
 
 
 def test_sharded_format_saves_and_resumes_the_ema_in_one_process(small_synthetic_overrides, tmp_path):
@@ -267,7 +267,7 @@ def test_sharded_format_saves_and_resumes_the_ema_in_one_process(small_synthetic
 def test_resuming_a_checkpoint_without_ema_into_a_run_with_one_is_refused(small_synthetic_overrides, tmp_path):
     plan = make_plan(make_config(*small_synthetic_overrides, "train.steps=2"))
     train(plan)
-    resumed = make_plan(make_config(*small_synthetic_overrides, "train.steps=4", "train.ema_decay=0.9"))
+    resumed = make_plan(make_config(*small_synthetic_overrides, "train.steps=4", "train.ema.decay=0.9"))
     with pytest.raises(CheckpointError, match="holds no weight EMA"):
         train(resumed, resume="auto")
 
@@ -275,10 +275,10 @@ def test_resuming_a_checkpoint_without_ema_into_a_run_with_one_is_refused(small_
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.ema_warmup=true"], "train.ema_warmup=True has no effect without an EMA"),
-        (["train.ema_every_steps=4"], "train.ema_every_steps=4 has no effect"),
-        (["train.ema_decay=0.9", "train.ema_every_steps=50"], "train.ema_every_steps=50 exceeds the run's 18 "),
-        (["train.ema_decay=1.0"], "train.ema_decay"),
+        (["train.ema.warmup=true"], "train.ema.warmup=True has no effect without an EMA"),
+        (["train.ema.every_steps=4"], "train.ema.every_steps=4 has no effect"),
+        (["train.ema.decay=0.9", "train.ema.every_steps=50"], "train.ema.every_steps=50 exceeds the run's 18 "),
+        (["train.ema.decay=1.0"], "train.ema.decay"),
     ],
 )
 def test_ema_mistakes_name_the_key(small_synthetic_overrides, overrides, message):
@@ -289,4 +289,5 @@ def test_ema_mistakes_name_the_key(small_synthetic_overrides, overrides, message
 def test_show_config_lists_the_ema_keys(capsys):
     assert main(["show-config"]) == 0
     shown = capsys.readouterr().out
-    assert all(f"  {key}:" in shown for key in ("ema_decay", "ema_warmup", "ema_every_steps", "ema_eval"))
+    ema = shown[shown.index("  ema:") :]
+    assert all(f"    {key}:" in ema for key in ("decay", "warmup", "every_steps", "evaluate"))

@@ -25,7 +25,7 @@ def vit_run(tmp_path_factory) -> Path:
     """Two steps of vit_tiny_patch16 at 32 px (global-average-pool head, FFN ratio 2) with a weight EMA."""
     out_dir = tmp_path_factory.mktemp("export") / "run"
     overrides = [*SYNTHETIC, "model.name=vit_tiny_patch16", "model.head=gap", "model.mlp_ratio=2", "optim.lr=1.0"]
-    extra = ["train.batch_size=8", "train.steps=2", "train.ema_decay=0.5", f"train.out_dir={out_dir}"]
+    extra = ["train.batch_size=8", "train.steps=2", "train.ema.decay=0.5", f"train.out_dir={out_dir}"]
     assert main(["train", *[item for value in overrides + extra for item in ("--set", value)]]) == 0
     return find_latest_checkpoint(out_dir)
 

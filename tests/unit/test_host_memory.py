@@ -1,4 +1,4 @@
-"""train.host_allocator: with ``cached`` (the default) a large CPU tensor freed and allocated again
+"""performance.host_allocator: with ``cached`` (the default) a large CPU tensor freed and allocated again
 reuses resident memory instead of faulting in fresh pages; ``system`` keeps glibc's behaviour."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vitrain.train.build import build_training_step
 overrides = ["data.name=synthetic", "model.name=vit_tiny6_patch7", "data.image_size=14", "train.batch_size=4",
              "precision=fp32"]
 for policy in sys.argv[1:]:  # one training step built per policy, in this order
-    build_training_step(make_plan(build_config(Config(), [], overrides + ["train.host_allocator=" + policy])))
+    build_training_step(make_plan(build_config(Config(), [], overrides + ["performance.host_allocator=" + policy])))
 for _ in range(2):  # the first rounds grow the heap
     torch.empty(16 * 2**20).fill_(1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

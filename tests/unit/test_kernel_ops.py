@@ -156,7 +156,7 @@ def kernel_recording_backend(graph_module, example_inputs):
 
 
 def test_compiled_o2_training_with_the_kernels_equals_eager(built, small_synthetic_overrides, tmp_path):
-    """``train.compile`` on a bf16 O2 run: the compiled blocks call the registered ops (before, compiled
+    """``performance.compile`` on a bf16 O2 run: the compiled blocks call the registered ops (before, compiled
     regions stepped aside to PyTorch's ops) and train to bitwise the eager run's weights."""
     from tests.conftest import make_config
     from vitrain.checkpoint import load_checkpoint
@@ -166,10 +166,12 @@ def test_compiled_o2_training_with_the_kernels_equals_eager(built, small_synthet
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     KERNEL_GRAPH_OPS.clear()
     overrides = [*small_synthetic_overrides, "precision=bf16", "precision_mode=o2", "model.attn_impl=matmul"]
-    overrides += ["train.steps=4", "model.name=locality_vit_tiny6_patch7", "train.cpu_kernels=fused"]
+    overrides += ["train.steps=4", "model.name=locality_vit_tiny6_patch7", "performance.cpu_kernels=fused"]
     eager = make_plan(make_config(*overrides, f"train.out_dir={tmp_path / 'eager'}"))
-    backend = "train.compile_backend=kernel_recording_backend"
-    compiled = make_plan(make_config(*overrides, "train.compile=true", backend, f"train.out_dir={tmp_path / 'c'}"))
+    backend = "performance.compile_backend=kernel_recording_backend"
+    compiled = make_plan(
+        make_config(*overrides, "performance.compile=true", backend, f"train.out_dir={tmp_path / 'c'}")
+    )
     try:
         train(eager)
         train(compiled)

@@ -272,7 +272,7 @@ def test_a_failed_build_falls_back_with_one_warning_or_fails_when_required(monke
     assert kernels.layer_norm(x, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
     warnings = [r.getMessage() for r in caplog.records if "fused CPU kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "g++: command not found" in warnings[0]
-    with pytest.raises(kernels.KernelBuildError, match="train.cpu_kernels=auto"):
+    with pytest.raises(kernels.KernelBuildError, match="performance.cpu_kernels=auto"):
         kernels.set_mode("fused")
 
 
@@ -311,7 +311,7 @@ def test_a_killed_builds_lock_file_falls_back_with_the_file_to_delete(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="vitrain"):
         assert kernels.load() is None
     reason = kernels.build.failure()
-    assert "delete it, or set train.cpu_kernels=native" in reason and str(folder / "lock") in reason, reason
+    assert "delete it, or set performance.cpu_kernels=native" in reason and str(folder / "lock") in reason, reason
     assert any(reason in record.getMessage() for record in caplog.records)
 
 

@@ -36,7 +36,7 @@ DEIT_COMMON: dict[str, Any] = {
     "train.epochs": 300,  # Table 9 "Epochs 300"
     "train.loss": "ce",  # soft-target cross-entropy with mixup (main.py)
     "train.label_smoothing": 0.1,  # Table 9 "Label smoothing 0.1"
-    "train.ema_decay": 0.0,  # main.py keeps an EMA but evaluates the live model
+    "train.ema.decay": 0.0,  # main.py keeps an EMA but evaluates the live model
     "optim.name": "adamw",  # Table 9 "Optimizer AdamW"
     "optim.lr": 5e-4,  # Table 9 "lr 5e-4 x batch/512"
     "optim.reference_batch": 512,  # main.py linear_scaled_lr divides by 512
@@ -68,7 +68,7 @@ DEIT3_COMMON: dict[str, Any] = {
     "train.epochs": 800,  # README_revenge.md --epochs 800; the model zoo's 81.4 / 83.8
     "train.loss": "bce",  # README_revenge.md --bce-loss; paper sec. 3
     "train.label_smoothing": 0.0,  # README_revenge.md --smoothing 0.0
-    "train.ema_decay": 0.0,  # no EMA in the commands' evaluation
+    "train.ema.decay": 0.0,  # no EMA in the commands' evaluation
     "optim.name": "lamb",  # README_revenge.md --opt fusedlamb
     "optim.reference_batch": 2048,  # --unscale-lr: lr applies at the command's batch as given
     "optim.weight_decay": 0.05,  # README_revenge.md --weight-decay 0.05
@@ -115,11 +115,11 @@ BOREALIS_COMMON: dict[str, Any] = {
 
 DEIT_DISTILLED: dict[str, Any] = {
     **DEIT_COMMON,
-    "train.distill": "hard",  # README commands --distillation-type hard; sec. 5.2 "hard distillation"
-    "train.distill_alpha": 0.5,  # main.py --distillation-alpha default
-    "train.distill_tau": 1.0,  # main.py --distillation-tau default
-    "train.teacher": "regnety_160",  # README commands --teacher-model regnety_160 (RegNetY-16GF, sec. 5.2)
-    "train.teacher_weights": None,  # the user's local copy of regnety_160-a5fe301d.pth
+    "train.distill.kind": "hard",  # README commands --distillation-type hard; sec. 5.2 "hard distillation"
+    "train.distill.alpha": 0.5,  # main.py --distillation-alpha default
+    "train.distill.tau": 1.0,  # main.py --distillation-tau default
+    "train.distill.teacher": "regnety_160",  # README commands --teacher-model regnety_160 (RegNetY-16GF, sec. 5.2)
+    "train.distill.teacher_weights": None,  # the user's local copy of regnety_160-a5fe301d.pth
 }
 
 EXPECTED: dict[str, dict[str, Any]] = {
@@ -215,8 +215,8 @@ def teacher_weights(tmp_path):
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_recipe_resolves_to_its_batch_and_lr(name, teacher_weights):
     config = get_recipe(name)
-    if config.train.teacher is not None:
-        config.train.teacher_weights = teacher_weights
+    if config.train.distill.teacher is not None:
+        config.train.distill.teacher_weights = teacher_weights
     plan = make_plan(make_config("data.name=synthetic", base=config), measure=False)  # the plan, not its speed
     assert plan.batch.global_batch == config.train.batch_size
     assert plan.schedule.lr == pytest.approx(config.optim.lr * config.train.batch_size / config.optim.reference_batch)
@@ -224,10 +224,10 @@ def test_recipe_resolves_to_its_batch_and_lr(name, teacher_weights):
 
 @pytest.mark.parametrize("name", [name for name in sorted(EXPECTED) if "distilled" in name])
 def test_distilled_recipe_asks_for_the_teacher_weights(name, teacher_weights):
-    with pytest.raises(ConfigError, match="--set train.teacher_weights=PATH"):
+    with pytest.raises(ConfigError, match="--set train.distill.teacher_weights=PATH"):
         make_plan(make_config("data.name=synthetic", base=get_recipe(name)), measure=False)
     plan = make_plan(
-        make_config("data.name=synthetic", f"train.teacher_weights={teacher_weights}", base=get_recipe(name)),
+        make_config("data.name=synthetic", f"train.distill.teacher_weights={teacher_weights}", base=get_recipe(name)),
         measure=False,
     )
     assert (plan.step.distill.kind, plan.step.distill.teacher) == ("hard", "regnety_160")

@@ -20,7 +20,7 @@ def _set(settings):
 def runs(tmp_path_factory):
     """Two 2-epoch synthetic runs, the second with a weight EMA (dashed curves)."""
     base = tmp_path_factory.mktemp("plot")
-    for name, extra in (("plain", []), ("ema", ["train.ema_decay=0.9"])):
+    for name, extra in (("plain", []), ("ema", ["train.ema.decay=0.9"])):
         settings = [*SMALL_SYNTHETIC_RUN, "train.epochs=2", "train.log_every_steps=2", f"train.out_dir={base / name}"]
         assert main(["train", *_set([*settings, *extra])]) == 0
     return base / "plain", base / "ema"

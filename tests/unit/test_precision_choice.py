@@ -1,4 +1,4 @@
-"""precision=auto, precision_mode=auto and train.cpu_kernels=auto: chosen by timing the run's own step.
+"""precision=auto, precision_mode=auto and performance.cpu_kernels=auto: chosen by timing the run's own step.
 
 The candidate lists, the choice of the fastest, the kernels built only within reach, the cache, the smaller
 probe batch, explicit settings left alone, and a real probe of a tiny run whose summary records the figures."""
@@ -51,7 +51,7 @@ def test_candidates_follow_the_auto_settings_and_the_device():
     ]
     explicit = make_config("precision=bf16", "precision_mode=o2")
     assert labels(candidates(explicit, "cpu", CPU)) == ["bf16 o2", "bf16 o2 + fused kernels"]
-    pinned = make_config("precision=bf16", "precision_mode=o2", "train.cpu_kernels=native")
+    pinned = make_config("precision=bf16", "precision_mode=o2", "performance.cpu_kernels=native")
     assert labels(candidates(pinned, "cpu", CPU)) == ["bf16 o2"]
     assert labels(candidates(make_config("precision=fp32", "precision_mode=auto"), "cpu", CPU)) == ["fp32"]
 
@@ -125,7 +125,7 @@ def test_kernels_that_fail_to_build_are_left_out_and_measured_again_later(cache_
 
 def test_a_step_of_seconds_makes_the_probe_time_a_smaller_batch(cache_dir, monkeypatch):
     timed = _fake_timing(monkeypatch, {"fp32": 2.0, "bf16 o2": 1.0}, first_s=30.0)  # fp32: 8 s a step of 16
-    config = make_config(*TINY, "precision=auto", "precision_mode=o2", "train.cpu_kernels=native")
+    config = make_config(*TINY, "precision=auto", "precision_mode=o2", "performance.cpu_kernels=native")
     measured = measure_precision(config, DATA, CPU)
     batch = int(16 * precision_choice.MAX_STEP_S / 8.0)
     assert timed == [("fp32", 16), ("fp32", batch), ("bf16 o2", batch)] and measured.batch == batch
@@ -139,7 +139,7 @@ def test_explicit_settings_are_never_measured_or_overridden(cache_dir, monkeypat
     for overrides in (
         ["precision=fp32"],
         ["precision=bf16", "precision_mode=autocast"],
-        ["precision=bf16", "precision_mode=o2", "train.cpu_kernels=native"],
+        ["precision=bf16", "precision_mode=o2", "performance.cpu_kernels=native"],
     ):
         assert measure_precision(make_config(*TINY, *overrides), DATA, CPU) is None
     fp32 = MeasuredPrecision("fp32", "autocast", "native", {"fp32": 2.0, "bf16 o2": 1.0}, "fp32", 16)
@@ -172,7 +172,7 @@ def test_a_real_probe_times_the_candidates_and_the_summary_keeps_the_figures(cac
         "data.synthetic_num_eval=16",
         "precision=auto",
         "precision_mode=o2",
-        "train.cpu_kernels=native",
+        "performance.cpu_kernels=native",
         "train.steps=2",
         f"train.out_dir={tmp_path / 'run'}",
     ]
@@ -214,7 +214,7 @@ def test_a_large_model_is_probed_at_the_batch_its_flops_allow_in_seconds(cache_d
         "train.batch_size=1024",
         "precision=auto",
         "precision_mode=o2",
-        "train.cpu_kernels=native",
+        "performance.cpu_kernels=native",
     )
     imagenet = DatasetInfo(
         num_train=1_281_167, num_eval=50_000, num_classes=1000, channels=3, mean=(0.5,) * 3, std=(0.25,) * 3
@@ -228,7 +228,7 @@ def test_show_config_prints_the_measured_choice_and_its_figures(cache_dir, capsy
     from vitrain.cli import main
 
     argv = ["show-config", *[item for setting in TINY for item in ("--set", setting)]]
-    argv += ["--set", "data.name=synthetic", "--set", "precision=auto", "--set", "train.cpu_kernels=native"]
+    argv += ["--set", "data.name=synthetic", "--set", "precision=auto", "--set", "performance.cpu_kernels=native"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     measured = next(line for line in lines if line.startswith("# measured on cpu: "))

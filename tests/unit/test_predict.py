@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import old_flat_layout
 from tests.unit.test_bad_images import BAD_FILES, LIMIT, ODD_FILES
 from vitrain.checkpoint import find_latest_checkpoint
 from vitrain.checkpoint.sharded import read_checkpoint_model
@@ -58,7 +59,7 @@ def _train(out_dir: Path, *overrides: str) -> Path:
 def folder_run(tmp_path_factory, tiny_imagefolder) -> Path:
     """A one-epoch image-folder run (classes n01, n02, n03) with a weight EMA."""
     out_dir = tmp_path_factory.mktemp("predict") / "run"
-    extra = ("data.name=imagefolder", f"data.root={tiny_imagefolder}", "train.batch_size=6", "train.ema_decay=0.5")
+    extra = ("data.name=imagefolder", f"data.root={tiny_imagefolder}", "train.batch_size=6", "train.ema.decay=0.5")
     return _train(out_dir, *extra)
 
 
@@ -289,9 +290,11 @@ def _refuse_resolution(monkeypatch) -> None:
 
 
 def _without_inference_record(checkpoint: Path, out: Path) -> Path:
-    """A copy of ``checkpoint`` as checkpoints were written before they recorded what inference needs."""
+    """A copy of ``checkpoint`` as checkpoints were written before they recorded what inference needs, with
+    the config in the flat layout of that time."""
     payload = torch.load(checkpoint, weights_only=True)
     out.parent.mkdir(parents=True)
+    payload["config"] = old_flat_layout(payload["config"])
     torch.save({key: value for key, value in payload.items() if key != "inference"}, out)
     return out
 

@@ -13,7 +13,7 @@ the change you want to check, natively and under each emulated level of the suit
 ATEN_CPU_CAPABILITY=avx2 VITRAIN_AMX=off`` and ``ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512
 VITRAIN_AMX=off``).
 
-Every case pins how it computes: ``precision``, ``precision_mode`` and, in bf16, ``train.cpu_kernels=fused``
+Every case pins how it computes: ``precision``, ``precision_mode`` and, in bf16, ``performance.cpu_kernels=fused``
 (``auto`` would time the step with and without the kernels and take the faster, so the bits would depend on
 the clock); where the kernels cannot be built here, the bf16 cases are skipped."""
 
@@ -50,8 +50,8 @@ COMMON = [
     "model.drop_path_rate=0.1",
     "train.seed=0",
 ]
-FP32 = ["precision=fp32", "precision_mode=autocast", "train.cpu_kernels=native"]
-BF16_O2 = ["precision=bf16", "precision_mode=o2", "train.cpu_kernels=fused"]
+FP32 = ["precision=fp32", "precision_mode=autocast", "performance.cpu_kernels=native"]
+BF16_O2 = ["precision=bf16", "precision_mode=o2", "performance.cpu_kernels=fused"]
 CASES: dict[str, list[str]] = {
     "vit-fp32": [*FP32, "model.name=vit_tiny6_patch7", "model.attn_impl=matmul"],
     "vit-bf16-o2": [*BF16_O2, "model.name=vit_tiny6_patch7", "model.attn_impl=matmul", "model.drop_rate=0.1"],
@@ -60,13 +60,13 @@ CASES: dict[str, list[str]] = {
         *BF16_O2,
         "model.name=vit_tiny6_patch7",
         "model.attn_impl=matmul",
-        "train.activation_checkpointing=3",
+        "performance.activation_checkpointing=3",
     ],
     "locality-fp32": [*FP32, "model.name=locality_vit_tiny6_patch7", "model.attn_impl=matmul"],
     "locality-bf16-o2": [*BF16_O2, "model.name=locality_vit_tiny6_patch7", "model.attn_impl=matmul"],
     "localvit-bf16-o2": [*BF16_O2, "model.name=localvit_tiny6_patch7", "model.attn_impl=matmul"],
 }
-FUSED_CASES = sorted(case for case in CASES if "train.cpu_kernels=fused" in CASES[case])
+FUSED_CASES = sorted(case for case in CASES if "performance.cpu_kernels=fused" in CASES[case])
 AGAINST_NATIVE = ["locality-bf16-o2", "localvit-bf16-o2", "vit-bf16-o2"]
 """The cases whose fused kernels are checked against PyTorch's ops: between them every fused op (layer norm
 and its chained form, linear, linear + GELU, the locality front, the depthwise convolution, and on AMX CPUs
@@ -144,7 +144,7 @@ def _skip_without_kernels(case: str) -> None:
     if case in FUSED_CASES and kernels.load() is None:
         pytest.skip(
             f"the fused CPU kernels could not be built here ({kernels.build.failure()}); {case} pins "
-            "train.cpu_kernels=fused, since with auto whether they are used would depend on a measurement"
+            "performance.cpu_kernels=fused, since with auto whether they are used would depend on a measurement"
         )
 
 
@@ -184,7 +184,7 @@ def _fused_against_native(case: str, out_dir: Path) -> tuple[dict[str, float], d
     """The case under plain SGD with PyTorch's ops and with the fused kernels: per checked tensor, the factor
     of the fused update against the native one and their relative difference; and the sums of squares of
     the parameters' native updates and of their initial values."""
-    native_plan = _plan(case, out_dir / "native", *PLAIN_SGD, "train.cpu_kernels=native")
+    native_plan = _plan(case, out_dir / "native", *PLAIN_SGD, "performance.cpu_kernels=native")
     initial, parameters = _initial_weights(native_plan)
     native = _final_weights(native_plan)
     fused = _final_weights(_plan(case, out_dir / "fused", *PLAIN_SGD))
@@ -235,7 +235,7 @@ def test_every_case_pins_how_it_computes(case, tmp_path):
     precision = plan.precision
     assert precision.dtype in ("fp32", "bf16") and precision.mode in ("autocast", "o2"), precision
     assert plan.runtime.cpu_kernels == ("fused" if precision.dtype == "bf16" else "native")
-    for setting in ("precision=", "precision_mode=", "train.cpu_kernels="):
+    for setting in ("precision=", "precision_mode=", "performance.cpu_kernels="):
         values = [override.removeprefix(setting) for override in CASES[case] if override.startswith(setting)]
         assert values and "auto" not in values, (setting, values)
 
@@ -267,7 +267,7 @@ def test_a_case_trained_twice_gives_bitwise_the_same_weights(case, tmp_path, thr
 
 @pytest.mark.parametrize("case", AGAINST_NATIVE)
 def test_fused_kernels_update_the_weights_as_pytorchs_ops_do(case, tmp_path, threads):
-    """The fused kernels against ``train.cpu_kernels=native``, same case under plain SGD: per tensor, the
+    """The fused kernels against ``performance.cpu_kernels=native``, same case under plain SGD: per tensor, the
     update's factor against PyTorch's (within :data:`SCALE_TOLERANCE`) and its relative difference (within
     :data:`RELATIVE_TOLERANCE`). Holds on every CPU, recorded or not."""
     _skip_without_kernels(case)

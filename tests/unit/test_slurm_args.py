@@ -65,16 +65,16 @@ def test_a_bad_yaml_file_or_recipe_is_refused(tmp_path, capsys):
 def test_paths_on_the_cluster_are_not_looked_for_here(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
     train = ["--recipe", "nemo_vit_b16_224", "--set", f"data.root={MISSING}"]
-    train += ["--set", f"train.init_from={MISSING}/runs/pretrain", "--set", "train.distill=hard"]
-    teacher = f"train.teacher={MISSING}/teacher.safetensors"
-    train += ["--set", teacher, "--set", "train.teacher_model=deit_small_patch16"]
+    train += ["--set", f"train.init_from={MISSING}/runs/pretrain", "--set", "train.distill.kind=hard"]
+    teacher = f"train.distill.teacher={MISSING}/teacher.safetensors"
+    train += ["--set", teacher, "--set", "train.distill.teacher_model=deit_small_patch16"]
     assert main(_slurm(out, *train)) == 0
     script = out.read_text()
     assert f"data.root={MISSING}" in script and teacher in script
     capsys.readouterr()
-    labels = ["--recipe", "volo_d1_224_tl", "--set", f"data.root={MISSING}", "--set", f"data.token_labels={MISSING}"]
+    labels = ["--recipe", "volo_d1_224_tl", "--set", f"data.root={MISSING}", "--set", f"token_labels.maps={MISSING}"]
     assert main(_slurm(out, *labels)) == 0
-    assert f"data.token_labels={MISSING}" in out.read_text()
+    assert f"token_labels.maps={MISSING}" in out.read_text()
 
 
 def test_a_mistake_about_a_cluster_path_names_the_path_given(tmp_path, capsys):
@@ -84,8 +84,11 @@ def test_a_mistake_about_a_cluster_path_names_the_path_given(tmp_path, capsys):
     assert main(_slurm(out, *train)) == 2
     error = _one_error_line(capsys)
     assert f"{MISSING}/run holds its own weights" in error and "vitrain-slurm-" not in error
-    assert main(_slurm(out, "--set", "train.distill=soft", "--set", "train.teacher=deit_base_patch16_224")) == 2
-    assert "train.teacher_weights=PATH" in _one_error_line(capsys)  # a timm name is no path: checked as such
+    assert (
+        main(_slurm(out, "--set", "train.distill.kind=soft", "--set", "train.distill.teacher=deit_base_patch16_224"))
+        == 2
+    )
+    assert "train.distill.teacher_weights=PATH" in _one_error_line(capsys)  # a timm name is no path: checked as such
     assert not out.exists()
 
 

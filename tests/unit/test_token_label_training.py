@@ -56,9 +56,9 @@ def _run_settings(maps: Path, *extra: str) -> list[str]:
     return [
         *SYNTHETIC,
         "model.aux_head=true",
-        f"data.token_labels={maps}",
+        f"token_labels.maps={maps}",
         "data.scale=[0.3, 1.0]",
-        "train.mix_token=true",
+        "token_labels.mix_token=true",
         *extra,
     ]
 
@@ -69,13 +69,13 @@ def _run_settings(maps: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["data.token_labels=null"], "train.mix_token=True has no effect without token labels"),
-        (["data.mixup=0.8"], "data.mixup with data.token_labels"),
-        (["data.cutmix=1.0"], "data.cutmix with data.token_labels"),
-        (["data.translate=2"], "data.translate=2 with data.token_labels"),
+        (["token_labels.maps=null"], "token_labels.mix_token=True has no effect without token labels"),
+        (["data.mixup=0.8"], "data.mixup with token_labels.maps"),
+        (["data.cutmix=1.0"], "data.cutmix with token_labels.maps"),
+        (["data.translate=2"], "data.translate=2 with token_labels.maps"),
         (["model.aux_head=false"], "set model.aux_head=true"),
         (["train.loss=bce"], "set train.loss=ce"),
-        (["data.token_labels=/no/such/maps"], "data.token_labels=/no/such/maps: no such folder"),
+        (["token_labels.maps=/no/such/maps"], "token_labels.maps=/no/such/maps: no such folder"),
     ],
 )
 def test_config_mistakes_exit_2_naming_the_keys(maps, tmp_path, capsys, extra, message):
@@ -92,7 +92,7 @@ def test_a_model_without_a_token_grid_is_refused(maps):
 
 def test_distillation_with_token_labels_is_refused(maps, tmp_path, capsys):
     teacher = maps.parent / "teacher.safetensors"
-    settings = _run_settings(maps, "train.distill=soft", f"train.teacher={teacher}", "train.epochs=1")
+    settings = _run_settings(maps, "train.distill.kind=soft", f"train.distill.teacher={teacher}", "train.epochs=1")
     assert main(["train", *_set(settings)]) == 2
     assert "use one teacher signal" in capsys.readouterr().err
 
@@ -108,7 +108,7 @@ def test_distillation_with_token_labels_is_refused(maps, tmp_path, capsys):
 )
 def test_bad_label_map_folders_stop_with_exit_2_naming_the_file(maps, tmp_path, capsys, damage, message):
     folder = shutil.copytree(maps, tmp_path / "maps")
-    extra = [f"data.token_labels={folder}", f"train.out_dir={tmp_path / 'run'}", "train.epochs=1"]
+    extra = [f"token_labels.maps={folder}", f"train.out_dir={tmp_path / 'run'}", "train.epochs=1"]
     if damage == "classes":
         extra.append("data.synthetic_num_classes=5")
     elif damage == "count":
@@ -200,7 +200,7 @@ def folder_maps(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_file_batches_carry_the_file_used_and_its_crop(folder_maps):
     root, maps = folder_maps
-    settings = [*FOLDER, f"data.root={root}", "model.aux_head=true", f"data.token_labels={maps}", "data.hflip=0.5"]
+    settings = [*FOLDER, f"data.root={root}", "model.aux_head=true", f"token_labels.maps={maps}", "data.hflip=0.5"]
     plan = make_plan(make_config(*settings))
     train_loader, _ = build_loaders(plan.data)
     train_loader.start_epoch(0)
@@ -271,7 +271,7 @@ def reference_run(maps, tmp_path_factory):
         f"train.out_dir={out_dir}",
         "train.epochs=3",
         "train.log_every_steps=2",
-        "train.token_ground_truth=true",
+        "token_labels.ground_truth=true",
         "data.image_size=28",
         "curriculum.stages=[{until: 0.5, image_size: 14}]",
     )
@@ -313,13 +313,14 @@ def test_vitrain_eval_needs_no_label_maps_and_reports_both_heads(reference_run, 
     checkpoint = tmp_path / "step.pt"
     shutil.copy(find_latest_checkpoint(plan.out_dir), checkpoint)
     config = json.loads(json.dumps(torch.load(checkpoint, weights_only=False)["config"]))
-    assert config["data"]["token_labels"]  # the run's maps are named in the checkpoint...
-    moved = plan.data.source.token_labels.with_name("moved")
-    plan.data.source.token_labels.rename(moved)  # ...and are gone
+    maps = plan.step.token_labels.maps
+    assert config["token_labels"]["maps"] == str(maps)  # the run's maps are named in the checkpoint...
+    moved = maps.with_name("moved")
+    maps.rename(moved)  # ...and are gone
     try:
         assert main(["eval", "--checkpoint", str(checkpoint)]) == 0
     finally:
-        moved.rename(plan.data.source.token_labels)
+        moved.rename(maps)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"top1", "cls_top1", "cls_top5"} <= result.keys()
 
@@ -328,9 +329,9 @@ def test_vitrain_eval_needs_no_label_maps_and_reports_both_heads(reference_run, 
     "extra",
     [
         ["precision=bf16", "precision_mode=o2"],
-        ["train.compile=true", "train.compile_backend=eager", "train.micro_batch_size=4"],
+        ["performance.compile=true", "performance.compile_backend=eager", "train.micro_batch_size=4"],
         [
-            "train.activation_checkpointing=all",
+            "performance.activation_checkpointing=all",
             "model.name=volo_d1",
             "data.image_size=32",
             "model.aux_head=null",
@@ -349,8 +350,8 @@ def test_token_labels_train_with_other_precisions_compile_and_volo(maps, tmp_pat
 
 def test_an_image_folder_run_trains_on_the_maps_of_the_files_it_reads(folder_maps, tmp_path):
     root, maps = folder_maps
-    settings = [*FOLDER, f"data.root={root}", "model.aux_head=true", f"data.token_labels={maps}", "data.hflip=0.5"]
-    settings += ["train.mix_token=true", "train.epochs=2", f"train.out_dir={tmp_path / 'run'}"]
+    settings = [*FOLDER, f"data.root={root}", "model.aux_head=true", f"token_labels.maps={maps}", "data.hflip=0.5"]
+    settings += ["token_labels.mix_token=true", "train.epochs=2", f"train.out_dir={tmp_path / 'run'}"]
     assert main(["train", *_set(settings)]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert sum(summary["bad_images"].values()) == 1  # a/a1.png, replaced by the next file and its map

@@ -209,7 +209,7 @@ def test_channels_last_converts_model_and_input_and_trains_the_same(small_synthe
 
     def two_steps(channels_last):
         plan = make_plan(
-            make_config(*small_synthetic_overrides, "model.name=resnet50", f"train.channels_last={channels_last}")
+            make_config(*small_synthetic_overrides, "model.name=resnet50", f"performance.channels_last={channels_last}")
         )
         step = build_training_step(plan)
         images, labels = synthetic_batch(plan)

@@ -56,7 +56,7 @@ def ladder_rungs(precision: str, attention: tuple[str, ...], with_compile: bool)
     if with_compile:
         rungs.append(Rung("+ torch.compile", compile=True, keep_if_faster=True))
     rungs.append(Rung(f"+ {low} O2 weights", ("precision_mode=o2",)))
-    rungs.append(Rung("+ activation checkpointing (memory)", ("train.activation_checkpointing=all",)))
+    rungs.append(Rung("+ activation checkpointing (memory)", ("performance.activation_checkpointing=all",)))
     return rungs
 
 

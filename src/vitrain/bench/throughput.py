@@ -61,7 +61,7 @@ class BenchSettings:
     compile_backend: str = "inductor"
     """torch.compile backend (tests use ``eager`` to exercise the path quickly)."""
     compile_mode: str = "default"
-    """torch.compile mode (``train.compile_mode``), for our model and timm's."""
+    """torch.compile mode (``performance.compile_mode``), for our model and timm's."""
     profile: int = 0
     """Steps profiled after the timed windows for the step breakdown (0: none)."""
 

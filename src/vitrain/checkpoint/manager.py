@@ -160,8 +160,8 @@ def _timm_folder_message(path: Path) -> str:
     return (
         f"{path} is a timm model folder (config.json and {weights.name}), not a vitrain checkpoint or run folder; "
         f"give the run folder or step-*.pt file it was exported from, or read its weights as timm's: "
-        f"finetune --from timm:{name} --set train.init_weights={weights} (a teacher: train.teacher={name} "
-        f"train.teacher_weights={weights})"
+        f"finetune --from timm:{name} --set train.init_weights={weights} (a teacher: train.distill.teacher={name} "
+        f"train.distill.teacher_weights={weights})"
     )
 
 

@@ -343,7 +343,7 @@ WEIGHTS_KEYS = {"live": "model", "ema": "ema"}
 
 def _no_weights_message(path: Path, weights: str) -> str:
     return (
-        f"checkpoint {path} holds no {weights} weights (its run had no weight EMA: train.ema_decay=0); "
+        f"checkpoint {path} holds no {weights} weights (its run had no weight EMA: train.ema.decay=0); "
         "use --weights live"
     )
 

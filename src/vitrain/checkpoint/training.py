@@ -156,12 +156,12 @@ class RunCheckpoints:
         returns the loop state it holds. A checkpoint that does not fit this run is a CheckpointError."""
         if self.ema is not None and not payload.get("has_ema", False):
             raise CheckpointError(
-                f"checkpoint {path} holds no weight EMA but this run keeps one (train.ema_decay); resume with "
-                "the config the run started with (train.ema_decay=0), or start a new run from its weights "
+                f"checkpoint {path} holds no weight EMA but this run keeps one (train.ema.decay); resume with "
+                "the config the run started with (train.ema.decay=0), or start a new run from its weights "
                 "with vitrain finetune --from"
             )
         if self.ema is None and payload.get("has_ema", False):
-            log.warning("%s holds a weight EMA, which this run (train.ema_decay=0) does not keep", path)
+            log.warning("%s holds a weight EMA, which this run (train.ema.decay=0) does not keep", path)
         try:
             # sharded: every rank reads its shards (DCP reshards to this process count)
             state = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_payload(payload)

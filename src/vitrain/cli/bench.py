@@ -53,8 +53,8 @@ def _add_bench_parser(commands) -> None:
         "--compile-mode",
         choices=["default", "max-autotune-no-cudagraphs"],
         default="default",
-        help="torch.compile mode of --compile, ours and timm's (the bench compiles by its flags: train.compile "
-        "and train.compile_mode of a recipe or --set do not apply)",
+        help="torch.compile mode of --compile, ours and timm's (the bench compiles by its flags: performance.compile "
+        "and performance.compile_mode of a recipe or --set do not apply)",
     )
     _add_bench_window_arguments(bench)
     bench.add_argument("--json", type=Path, help="also write the result as JSON to this file")

@@ -74,7 +74,7 @@ def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=["live", "ema"],
         default="live",
-        help="the trained weights (live, default) or their moving average (ema: runs with train.ema_decay)",
+        help="the trained weights (live, default) or their moving average (ema: runs with train.ema.decay)",
     )
 
 

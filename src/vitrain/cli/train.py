@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from vitrain.cli.common import EXIT_BAD_INPUT, _add_config_arguments, load_config, log, processes
-from vitrain.config import Config, ConfigError, World
+from vitrain.config import Config, ConfigError, World, stored_config
 from vitrain.recipes import get_recipe
 
 
@@ -182,6 +182,6 @@ def _finetune_base(args: argparse.Namespace) -> Config:
         raise ConfigError(
             f"--from {args.init_from} carries no vitrain config (not written by `vitrain export`): give --recipe"
         )
-    base = Config.model_validate(saved)
+    base = stored_config(saved)
     base.recipe = f"{base.recipe}_ft"
     return base

@@ -3,6 +3,7 @@ into one :class:`~vitrain.config.schema.Config`."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
@@ -113,11 +114,87 @@ def load_yaml(path: Path) -> dict:
     return loaded
 
 
+MOVED_KEYS = {
+    "train.ema_decay": "train.ema.decay",
+    "train.ema_warmup": "train.ema.warmup",
+    "train.ema_every_steps": "train.ema.every_steps",
+    "train.ema_eval": "train.ema.evaluate",
+    "train.distill": "train.distill.kind",
+    "train.distill_alpha": "train.distill.alpha",
+    "train.distill_tau": "train.distill.tau",
+    "train.teacher": "train.distill.teacher",
+    "train.teacher_weights": "train.distill.teacher_weights",
+    "train.teacher_model": "train.distill.teacher_model",
+    "data.token_labels": "token_labels.maps",
+    "train.mix_token": "token_labels.mix_token",
+    "train.mix_token_alpha": "token_labels.mix_token_alpha",
+    "train.dense_weight": "token_labels.dense_weight",
+    "train.cls_weight": "token_labels.cls_weight",
+    "train.token_ground_truth": "token_labels.ground_truth",
+    **{
+        f"train.{key}": f"performance.{key}"
+        for key in (
+            "activation_checkpointing",
+            "channels_last",
+            "host_allocator",
+            "cpu_kernels",
+            "compile",
+            "compile_backend",
+            "compile_mode",
+        )
+    },
+}
+"""Keys of the flat schema (before the ema, distill, token_labels and performance sections) and where each
+lives now. Given in --config/--set they fail naming the new key; in a saved config (checkpoints, exports,
+config.yaml of older runs) they are moved."""
+
+
+def _moved_keys_in(layer: dict) -> list[str]:
+    """The old flat keys ``layer`` sets (``train.distill`` only as a value, not as the new section)."""
+    found = []
+    for old in MOVED_KEYS:
+        section, key = old.split(".")
+        values = layer.get(section)
+        if isinstance(values, dict) and key in values and not isinstance(values[key], dict):
+            found.append(old)
+    return found
+
+
+def _refuse_moved_keys(layer: dict, source: str) -> None:
+    moved = _moved_keys_in(layer)
+    if moved:
+        old, new = moved[0], MOVED_KEYS[moved[0]]
+        raise ConfigError(f"{source}: config key '{old}' is now '{new}'; rename it (see `vitrain show-config`)")
+
+
+def migrate_moved_keys(saved: dict) -> dict:
+    """``saved`` with the old flat keys moved to where they live now (a copy; other keys unchanged)."""
+    migrated = copy.deepcopy(saved)
+    for old in _moved_keys_in(saved):
+        section, key = old.split(".")
+        new_section, *middle, new_key = MOVED_KEYS[old].split(".")
+        value = migrated[section].pop(key)
+        target = migrated.setdefault(new_section, {})
+        for part in middle:
+            target = target.setdefault(part, {})
+        target[new_key] = value
+    return migrated
+
+
+def stored_config(saved: dict) -> Config:
+    """The config a checkpoint, an export or a run folder saved, written by this version or an older one."""
+    try:
+        return Config.model_validate(migrate_moved_keys(saved))
+    except ValidationError as error:
+        raise ConfigError(f"the saved config does not validate: {_format_validation_error(error)}") from None
+
+
 LENGTH_KEYS = ("epochs", "steps", "samples", "budget")
 """train.* keys that each give the run's length; a layer that sets one clears the others."""
 
 
 def _merge_layer(merged: dict, layer: dict, source: str) -> dict:
+    _refuse_moved_keys(layer, source)
     train_layer = layer.get("train") if isinstance(layer.get("train"), dict) else {}
     lengths = [key for key in LENGTH_KEYS if train_layer.get(key) is not None]
     if len(lengths) > 1:

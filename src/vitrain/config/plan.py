@@ -85,6 +85,32 @@ class World:
 
 
 @dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What resolve() needs to know about the data, read cheaply from the source."""
+
+    num_train: int
+    num_eval: int
+    num_classes: int
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The facts about the machine that resolve() depends on (injected so resolve stays pure)."""
+
+    cuda_available: bool
+    bf16_supported: bool
+    """The device computes bf16 natively (CPU: AVX512-BF16 or AMX-BF16 that oneDNN may use; CUDA: compute
+    capability 8+)."""
+    bf16_emulated: bool = False
+    """bf16 still runs, converted in software (any CPU): allowed when asked for or measured faster."""
+    amx_tiles: bool = False
+    """The CPU has AMX-BF16 tiles vitrain's kernels may use (the environment's ``VITRAIN_AMX`` not off)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFacts:
     """What ``resolve()`` must know of a model family, handed in by the model catalog
     (:func:`vitrain.models.model_facts`): the config layer imports nothing above it."""
@@ -168,7 +194,7 @@ class ParallelPlan:
     compile: bool
     compile_backend: str
     compile_mode: str = "default"
-    """torch.compile's mode (``train.compile_mode``)."""
+    """torch.compile's mode (``performance.compile_mode``)."""
     compile_scope: Literal["blocks", "model"] = "blocks"
     """blocks: each block compiled (training); model: the whole module (``vitrain bench --compile``)."""
     fsdp_reshard: Literal["zero2", "zero3"] = "zero3"
@@ -271,7 +297,7 @@ class DataPlan:
 
 @dataclasses.dataclass(frozen=True)
 class DistillPlan:
-    """Knowledge distillation (``train.distill``, DeiT): the teacher to load and how its logits enter the loss."""
+    """Knowledge distillation (``train.distill.kind``, DeiT): the teacher to load and how its logits enter the loss."""
 
     kind: Literal["soft", "hard"]
     alpha: float
@@ -286,7 +312,7 @@ class DistillPlan:
 
 @dataclasses.dataclass(frozen=True)
 class TokenLabelPlan:
-    """Token labeling (``data.token_labels``): the label maps, the loss weights and MixToken."""
+    """Token labeling (``token_labels.maps``): the label maps, the loss weights and MixToken."""
 
     maps: Path
     """The label-map folder (``vitrain label``'s, or the published per-image maps)."""
@@ -327,6 +353,8 @@ class RuntimePlan:
     host_allocator: Literal["cached", "system"]
     cpu_kernels: Literal["auto", "fused", "native"]
     channels_last: bool
+    amx_tiles: bool = False
+    """vitrain's AMX tile kernels may run: the CPU has AMX-BF16, and neither performance.amx nor VITRAIN_AMX is off."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +429,7 @@ class LogPlan:
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredPrecision:
-    """What ``precision=auto``, ``precision_mode=auto`` and ``train.cpu_kernels=auto`` chose by timing the run's
+    """What ``precision=auto``, ``precision_mode=auto`` and ``performance.cpu_kernels=auto`` chose by timing the run's
     own training step on this machine (:mod:`vitrain.train.precision_choice`); a fact ``resolve()`` is given."""
 
     precision: Literal["fp32", "bf16", "fp16"]

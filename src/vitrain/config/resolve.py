@@ -16,42 +16,27 @@ from typing import TYPE_CHECKING, Any
 
 from vitrain import torch_at_least
 from vitrain.config import plan as parts
-from vitrain.config.plan import MeasuredPrecision, ModelFacts, ModelLookup, Plan, Stage, World
-from vitrain.config.schema import CUDA_HALF_ONLY_IMPLS, CUDA_ONLY_IMPLS, Config, ConfigError, ModelConfig
-from vitrain.config.weights import WEIGHTS_SUFFIXES, init_source_kind, teacher_source_kind
+from vitrain.config.checks import model_facts_of, require
+from vitrain.config.inputs import check_inputs, profile_window
+from vitrain.config.plan import DatasetInfo, Hardware, MeasuredPrecision, ModelFacts, ModelLookup, Plan, Stage, World
+from vitrain.config.schema import Config, ConfigError, ModelConfig
+from vitrain.config.training import distill_plan, ema_plan, mix_plan, token_label_plan
 
 if TYPE_CHECKING:
     from vitrain.config.precision import PrecisionPolicy
 
 
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-    """What resolve() needs to know about the data, read cheaply from the source."""
-
-    num_train: int
-    num_eval: int
-    num_classes: int
-    channels: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def _check_batch_and_length(config: Config, num_train: int) -> int:
     train = config.train
-    _require(
+    require(
         train.batch_size >= 1, f"train.batch_size must be >= 1 (got {train.batch_size}); set e.g. train.batch_size=256"
     )
-    _require(
+    require(
         train.eval_batch_size is None or train.eval_batch_size >= 1,
         f"train.eval_batch_size must be >= 1 (got {train.eval_batch_size}); or leave it null",
     )
     steps_per_epoch = num_train // train.batch_size
-    _require(
+    require(
         steps_per_epoch >= 1,
         f"train.batch_size={train.batch_size} exceeds the {num_train} training samples; "
         "lower train.batch_size or raise data.limit_train",
@@ -60,6 +45,8 @@ def _check_batch_and_length(config: Config, num_train: int) -> int:
 
 
 # ModelConfig fields that are model arguments, passed through when set.
+
+
 MODEL_OPTIONS = (
     "patch_size",
     "head",
@@ -76,6 +63,8 @@ MODEL_OPTIONS = (
 )
 
 # model.* options whose argument has another name in some families: option -> (argument, ...).
+
+
 OPTION_ARGUMENTS = {"aux_head": ("aux_head", "use_aux_head")}
 
 
@@ -99,21 +88,13 @@ def model_overrides(model: ModelConfig, args: Any = None) -> dict[str, Any]:
     return options
 
 
-def _model_facts(name: str, models: ModelLookup, key: str = "model.name") -> ModelFacts:
-    """What the model catalog knows of ``name``; an unknown name is a ConfigError on ``key``."""
-    try:
-        return models(name)
-    except KeyError as error:
-        raise ConfigError(f"{key}: {error.args[0]}") from None
-
-
 def _resolve_patch_size(config: Config, facts: ModelFacts) -> int:
     """The model's input stride (patch size; VOLO's patch x downsampling), after checking that every
     model option set in the config is an argument of this model family."""
     fields = {field.name for field in dataclasses.fields(facts.args)}
     accepted = [option for option in MODEL_OPTIONS if _argument_name(option, fields) is not None]
     for option in MODEL_OPTIONS:
-        _require(
+        require(
             getattr(config.model, option) is None or option in accepted,
             f"model.{option}={getattr(config.model, option)} (from the recipe or your overrides) is not an option "
             f"of {config.model.name}; set model.{option}=null (that family takes "
@@ -122,8 +103,8 @@ def _resolve_patch_size(config: Config, facts: ModelFacts) -> int:
     patch = config.model.patch_size or getattr(facts.args, "total_stride", getattr(facts.args, "patch_size", 1))
     if (config.model.stem or getattr(facts.args, "stem", None)) == "conv":  # set here or by the variant
         problem = facts.stem_problem(patch)
-        _require(problem is None, f"model.stem=conv: {problem} (model.patch_size, data.image_size)")
-    _require(
+        require(problem is None, f"model.stem=conv: {problem} (model.patch_size, data.image_size)")
+    require(
         config.data.image_size % patch == 0,
         f"data.image_size={config.data.image_size} is not divisible by the patch size {patch} of "
         f"{config.model.name}; set data.image_size to a multiple of {patch} or change model.patch_size",
@@ -135,11 +116,11 @@ def resolve_device(requested: str, cuda_available: bool) -> str:
     """``train.device`` -> the device a process runs on (``auto``: CUDA where there is one)."""
     if requested == "auto":
         return "cuda" if cuda_available else "cpu"
-    _require(
+    require(
         requested == "cpu" or requested.startswith("cuda"),
         f"train.device={requested!r} is not known; use auto, cpu, cuda or cuda:N",
     )
-    _require(
+    require(
         requested == "cpu" or cuda_available,
         f"train.device={requested!r} but CUDA is not available here; use train.device=cpu",
     )
@@ -159,7 +140,7 @@ def _resolve_precision(config: Config, hardware: Hardware, measured: MeasuredPre
     if requested == "auto":
         precision = measured.precision if measured is not None else auto_precision(hardware)
     else:
-        _require(
+        require(
             requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
             "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
         )
@@ -177,34 +158,27 @@ def kernels_can_apply(device: str, precision: str, mode: str, amx_tiles: bool) -
     return device == "cpu" and precision == "bf16" and (mode != "autocast" or amx_tiles)
 
 
+def amx_tiles_for(config: Config, hardware: Hardware) -> bool:
+    """Whether the run's kernels may use AMX tiles: the machine allows them and performance.amx is not off."""
+    return hardware.amx_tiles and config.performance.amx != "off"
+
+
 def _resolve_cpu_kernels(
     config: Config, device: str, precision: str, mode: str, hardware: Hardware, measured: MeasuredPrecision | None
 ) -> str:
-    """``train.cpu_kernels`` of the run: ``auto`` takes the measured choice, and ``native`` where the kernels
+    """``performance.cpu_kernels`` of the run: ``auto`` takes the measured choice, and ``native`` where the kernels
     cannot apply (so nothing is built for a path that does not run them)."""
-    requested = config.train.cpu_kernels
+    requested = config.performance.cpu_kernels
     if requested != "auto":
         return requested
-    if not kernels_can_apply(device, precision, mode, hardware.amx_tiles):
+    if not kernels_can_apply(device, precision, mode, amx_tiles_for(config, hardware)):
         return "native"
     return measured.cpu_kernels if measured is not None else "auto"
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """The facts about the machine that resolve() depends on (injected so resolve stays pure)."""
-
-    cuda_available: bool
-    bf16_supported: bool
-    """The device computes bf16 natively (CPU: AVX512-BF16 or AMX-BF16 that oneDNN may use; CUDA: compute
-    capability 8+)."""
-    bf16_emulated: bool = False
-    """bf16 still runs, converted in software (any CPU): allowed when asked for or measured faster."""
-    amx_tiles: bool = False
-    """The CPU has AMX-BF16 tiles vitrain's kernels may use (``VITRAIN_AMX`` not off)."""
-
-
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+
+
 _SECONDS_PER = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 
 
@@ -236,11 +210,11 @@ def _resolve_duration(config: Config, steps_per_epoch: int) -> tuple[str, float,
             raise ConfigError(
                 f"train.budget={train.budget!r} is not a duration; write e.g. 90s, 10m, 24h or 1h30m"
             ) from None
-        _require(budget_s > 0, f"train.budget={train.budget!r} must be longer than zero; e.g. train.budget=10m")
+        require(budget_s > 0, f"train.budget={train.budget!r} must be longer than zero; e.g. train.budget=10m")
         return "seconds", budget_s, float(warmup_samples)
     if train.samples is not None:
         return "samples", float(train.samples), float(min(train.samples, warmup_samples))
-    _require(
+    require(
         train.epochs is not None,
         "the run has no length; set one of train.epochs, train.steps, train.samples or train.budget",
     )
@@ -260,19 +234,19 @@ def _stage_batch(config: Config, image_size: int, patch: int, batch: int | None)
 def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, ...]:
     """The curriculum as stages (explicit list or linear rule), ending with the final stage."""
     curriculum, final_size = config.curriculum, config.data.image_size
-    _require(
+    require(
         not (curriculum.stages and curriculum.start_size),
         "curriculum.stages and curriculum.start_size both define the curriculum; keep one",
     )
     stages: list[Stage] = []
     if curriculum.start_size is not None:
-        _require(
+        require(
             curriculum.start_size < final_size,
             f"curriculum.start_size={curriculum.start_size} must be below data.image_size={final_size}",
         )
         sizes = range(curriculum.start_size, final_size, curriculum.grow_by)
         for index, size in enumerate(sizes):
-            _require(
+            require(
                 size % patch == 0,
                 f"curriculum: stage size {size} (start_size + k * grow_by) is not a multiple of the patch size {patch}; "
                 f"make curriculum.start_size and curriculum.grow_by multiples of {patch}",
@@ -282,12 +256,12 @@ def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, 
     previous_until = 0.0
     for index, stage in enumerate(curriculum.stages):
         key = f"curriculum.stages[{index}]"
-        _require(
+        require(
             stage.until > previous_until,
             f"{key}.until={stage.until} must be greater than the previous stage's ({previous_until}); "
             "list stages in order",
         )
-        _require(
+        require(
             stage.image_size % patch == 0,
             f"{key}.image_size={stage.image_size} is not a multiple of the patch size {patch}; "
             f"use a multiple of {patch}",
@@ -296,7 +270,7 @@ def _resolve_stages(config: Config, patch: int, num_train: int) -> tuple[Stage, 
         batch = _stage_batch(config, stage.image_size, patch, stage.batch_size)
         stages.append(Stage(stage.image_size, batch, stage.lr_scale, until=stage.until))
     for index, stage in enumerate(stages):
-        _require(
+        require(
             stage.batch_size <= num_train,
             f"curriculum stage {index} batch size {stage.batch_size} exceeds the {num_train} training samples; "
             "set its batch_size or lower train.batch_size",
@@ -315,6 +289,8 @@ def _tensor_parallel_shape(config: Config, facts: ModelFacts) -> tuple[int, int]
 
 
 # Optimizers whose update needs each whole tensor, and why (refused where a strategy shards tensors).
+
+
 WHOLE_TENSOR_OPTIMIZERS = {
     "muon": "Muon orthogonalizes whole weight matrices",
     "lamb": "LAMB's trust ratio needs the norm of each whole tensor",
@@ -322,7 +298,7 @@ WHOLE_TENSOR_OPTIMIZERS = {
 
 
 def _check_optimizer_sees_whole_tensors(optimizer: str, strategy: str, world: World) -> None:
-    _require(
+    require(
         strategy == "ddp" or optimizer not in WHOLE_TENSOR_OPTIMIZERS or world.size == 1,
         f"optim.name={optimizer} with parallel.strategy={strategy}: {WHOLE_TENSOR_OPTIMIZERS.get(optimizer)} and "
         "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
@@ -343,7 +319,7 @@ def _check_torch_runs(strategy: str) -> None:
     import torch
 
     floor = ".".join(map(str, FSDP_TP_MIN_TORCH))
-    _require(
+    require(
         strategy != "fsdp+tp" or fsdp_tp_runs_on(torch.__version__),
         f"parallel.strategy=fsdp+tp needs torch >= {floor} (this environment has {torch.__version__}, whose "
         f"DTensor cannot step the optimizer over the dp and dp x tp meshes together); pip install "
@@ -361,24 +337,24 @@ def _resolve_parallel(
     tp_size = 1
     if "tp" in strategy:
         tp_size = parallel.tp_size or (world.size if strategy == "tp" else 0)
-        _require(
+        require(
             tp_size > 0,
             "parallel.strategy=fsdp+tp needs parallel.tp_size (processes per tensor-parallel group, e.g. the "
             "GPUs of one node)",
         )
-        _require(
+        require(
             world.size % tp_size == 0 and (strategy == "tp") == (tp_size == world.size),
             f"parallel.tp_size={tp_size} with {world.size} processes: tp uses all processes (tp_size=0 or "
             f"{world.size}); fsdp+tp needs a tp_size that divides {world.size} and is smaller",
         )
         shape = _tensor_parallel_shape(config, facts)
-        _require(
+        require(
             shape is not None,
             f"parallel.strategy={strategy}: tensor parallelism splits ViT/DeiT blocks (attention heads and the "
             f"MLP FFN); {config.model.name} has other blocks; use parallel.strategy=fsdp or ddp",
         )
         heads, hidden = shape
-        _require(
+        require(
             heads % tp_size == 0 and hidden % tp_size == 0,
             f"parallel.tp_size={tp_size} must divide the {heads} attention heads and the FFN width {hidden} of "
             f"{config.model.name}; choose a tp_size that divides both",
@@ -386,22 +362,22 @@ def _resolve_parallel(
     _check_optimizer_sees_whole_tensors(config.optim.name, strategy, world)
     _check_torch_runs(strategy)
     if strategy != "ddp":
-        _require(
+        require(
             precision != "fp16",
             f"parallel.strategy={strategy} with precision=fp16: loss scaling of sharded gradients is not "
             "supported; use precision=bf16 (no loss scaling needed) or parallel.strategy=ddp",
         )
-        _require(
+        require(
             mode != "full" or precision == "fp32",
             f"parallel.strategy={strategy} with precision_mode=full is not supported; use precision_mode=o2 "
             "(FSDP: its mixed-precision policy) or autocast",
         )
-        _require(
+        require(
             mode != "o2" or precision == "fp32" or "fsdp" in strategy,
             "parallel.strategy=tp with precision_mode=o2 is not supported; use autocast, or fsdp+tp (FSDP's "
             "mixed-precision policy is O2)",
         )
-    _require(
+    require(
         not parallel.fsdp_cpu_offload or ("fsdp" in strategy and cuda),
         "parallel.fsdp_cpu_offload=true needs parallel.strategy=fsdp (or fsdp+tp) on CUDA; remove it",
     )
@@ -411,143 +387,17 @@ def _resolve_parallel(
     return dataclasses.replace(world, tp_size=tp_size), checkpoint_format
 
 
-FP16_MIN_ADAM_EPS = 1e-4
-"""Smallest AdamW eps allowed with fp16 weights: below it, squared gradients under fp16's 6e-8 floor
-leave eps alone in the denominator (measured: eps 1e-8 -> NaN, 1e-6 -> divergence, 1e-4 trains)."""
-
-
 def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...], world: World) -> None:
     """Every global batch (training, evaluation, each curriculum stage's) splits over the data slices."""
     for key, size in [("train.batch_size", batch), ("train.eval_batch_size", eval_batch)] + [
         (f"curriculum stage at {stage.image_size} px: batch", stage.batch_size) for stage in stages[:-1]
     ]:
         slices = world.data_size
-        _require(
+        require(
             size % slices == 0,
             f"{key}={size} is global and must split evenly over the {slices} data-parallel processes; "
             f"use a multiple of {slices}",
         )
-
-
-def _check_inputs(config: Config, data: DatasetInfo, precision: str, mode: str, device: str) -> None:
-    """Cross-field checks that no single field's validator can make: normalization against the
-    data's channels, keys the source ignores, fp16 Adam epsilon, the init checkpoint's existence."""
-    for key in ("mean", "std"):
-        value = getattr(config.data, key)
-        _require(
-            value is None or len(value) == data.channels,
-            f"data.{key} has {len(value or ())} values but the data has {data.channels} channels; "
-            f"give {data.channels} values or null for the source default",
-        )
-    _require(
-        config.data.translate < config.data.image_size,
-        f"data.translate={config.data.translate} shifts a {config.data.image_size}-pixel image out of view; "
-        "give a few pixels (2-4 for 28-32 px images) or 0 to turn it off",
-    )
-    _check_pinned_attention(config.model.attn_impl, precision, device)
-    _require(
-        config.data.root is None or config.data.name != "synthetic",
-        "data.root is not used by data.name=synthetic; remove it",
-    )
-    _require(
-        not (precision == "fp16" and mode == "full" and config.optim.name in ("adamw", "muon"))
-        or config.optim.eps >= FP16_MIN_ADAM_EPS,
-        f"optim.eps={config.optim.eps:g} with fp16 weights (precision_mode=full): Adam's second moment "
-        f"underflows in fp16 and the update divides by eps alone, which diverged in our tests; set "
-        f"optim.eps>={FP16_MIN_ADAM_EPS:g} or use precision_mode=o2 (fp32 master weights)",
-    )
-    _require(
-        config.train.compile_mode == "default" or config.train.compile_backend == "inductor",
-        f"train.compile_mode={config.train.compile_mode} is a mode of inductor, not of "
-        f"train.compile_backend={config.train.compile_backend}; set train.compile_backend=inductor or "
-        "train.compile_mode=default",
-    )
-    _check_init_source(config.train)
-    _check_webdataset(config)
-    _check_dali(config)
-    _check_device_decode(config, device)
-    profile_window(config.train.profile)
-
-
-def _check_pinned_attention(impl: str | None, precision: str, device: str) -> None:
-    """A pinned SDPA kernel the run's device or precision lacks fails at the first step with torch's "No
-    available kernel": refuse it here, naming what does run."""
-    _require(
-        impl not in CUDA_ONLY_IMPLS or device.startswith("cuda"),
-        f"model.attn_impl={impl} pins an SDPA kernel that exists on CUDA only and this run is on {device}; "
-        "use sdpa, sdpa_flash, sdpa_math, matmul or auto",
-    )
-    _require(
-        impl not in CUDA_HALF_ONLY_IMPLS or not device.startswith("cuda") or precision != "fp32",
-        f"model.attn_impl={impl} pins an SDPA kernel that takes only bf16/fp16 on CUDA and this run is in fp32; "
-        "set precision=bf16, or use sdpa, sdpa_efficient, sdpa_math, matmul or auto",
-    )
-
-
-def _check_webdataset(config: Config) -> None:
-    """What a stream of tar shards cannot do: it has no sample index to repeat or to look label maps up by."""
-    if config.data.name != "webdataset":
-        return
-    _require(
-        config.data.repeated_aug == 1,
-        f"data.repeated_aug={config.data.repeated_aug} needs indexed samples; data.name=webdataset streams its "
-        "shards: set data.repeated_aug=1 or train from the image folder (data.name=imagefolder)",
-    )
-    _require(
-        config.data.token_labels is None,
-        "data.token_labels needs indexed samples; data.name=webdataset streams its shards: train token labeling "
-        "from the image folder (data.name=imagefolder)",
-    )
-
-
-DALI_UNSUPPORTED = ("randaugment", "three_augment", "color_jitter", "token_labels")
-
-
-def _check_device_decode(config: Config, device: str) -> None:
-    """data.decode=gpu: a CUDA run of the Pillow path without the per-image policies."""
-    data = config.data
-    if data.decode != "gpu":
-        return
-    _require(
-        device.startswith("cuda"),
-        f"data.decode=gpu decodes on the run's CUDA device; this run is on {device}: set data.decode=cpu",
-    )
-    _require(
-        data.name in ("imagefolder", "webdataset") and data.backend == "pillow",
-        f"data.decode=gpu decodes image files of the Pillow path (data.name=imagefolder or webdataset, "
-        f"data.backend=pillow), not data.name={data.name} with data.backend={data.backend}; DALI decodes on the "
-        "GPU by itself",
-    )
-    used = [f"data.{key}" for key in DALI_UNSUPPORTED if getattr(data, key)]
-    _require(
-        not used,
-        f"data.decode=gpu crops, flips, translates and erases on the device; {', '.join(used)} runs on PIL images: "
-        "set data.decode=cpu or turn it off",
-    )
-
-
-def _check_dali(config: Config) -> None:
-    """What the DALI pipelines do not do: in-memory sources, per-image policies, token labels, remote shards."""
-    data = config.data
-    if data.backend != "dali":
-        return
-    _require(
-        data.name in ("imagefolder", "webdataset"),
-        f"data.backend=dali decodes image files; data.name={data.name} is decoded in memory: set data.backend=pillow "
-        "or train from files (data.name=imagefolder or webdataset)",
-    )
-    used = [f"data.{key}" for key in DALI_UNSUPPORTED if getattr(data, key)]
-    _require(
-        not used,
-        f"data.backend=dali applies crop, flip, random erasing and translation only; {', '.join(used)} needs the "
-        "Pillow path: set data.backend=pillow or turn it off",
-    )
-    root = str(data.root or "")
-    _require(
-        data.name != "webdataset" or not (":" in data.wds_label_key or root.startswith("pipe:") or "://" in root),
-        "data.backend=dali reads local shard files with a text label entry (data.wds_label_key=cls); pipe:/URL "
-        "shards and JSON label fields need data.backend=pillow",
-    )
 
 
 def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
@@ -581,15 +431,15 @@ def _model_plan(config: Config, data: DatasetInfo, patch: int, facts: ModelFacts
 
 
 def _parallel_plan(config: Config, world: World, device: str) -> parts.ParallelPlan:
-    train, parallel = config.train, config.parallel
+    performance, parallel = config.performance, config.parallel
     return parts.ParallelPlan(
         strategy=parallel.strategy,
         world=world,
         device=device,
-        activation_checkpointing=train.activation_checkpointing,
-        compile=train.compile,
-        compile_backend=train.compile_backend,
-        compile_mode=train.compile_mode,
+        activation_checkpointing=performance.activation_checkpointing,
+        compile=performance.compile,
+        compile_backend=performance.compile_backend,
+        compile_mode=performance.compile_mode,
         fsdp_reshard=parallel.fsdp_reshard,
         fsdp_cpu_offload=parallel.fsdp_cpu_offload,
     )
@@ -669,7 +519,7 @@ def _log_plan(config: Config) -> parts.LogPlan:
     sinks = tuple(dict.fromkeys(sink for sink in log.sinks if sink != "jsonl"))
     for sink in sinks:
         package = SINK_PACKAGES.get(sink)
-        _require(
+        require(
             package is None or importlib.util.find_spec(package) is not None,
             f"log.sinks: {sink} needs the {package} package, which is not installed; "
             f"pip install 'vitrain[{sink}]', or remove {sink} from log.sinks",
@@ -677,278 +527,25 @@ def _log_plan(config: Config) -> parts.LogPlan:
     return parts.LogPlan(sinks=sinks, **log.model_dump(exclude={"sinks"}))
 
 
-def _mix_plan(
-    config: Config, num_classes: int, stages: tuple[Stage, ...], batch: parts.BatchPlan
-) -> parts.MixPlan | None:
-    """Mixup/CutMix of the training batches (None when both are off), after checking that every stage's
-    per-process batch can be paired and every stage's image size can hold a cutmix_minmax box."""
-    data = config.data
-    cutmix_alpha = 1.0 if data.cutmix_minmax is not None else data.cutmix  # timm: minmax turns CutMix on
-    if data.mixup == 0 and cutmix_alpha == 0:
-        return None
-    for stage in stages:
-        share = batch.per_process(stage.batch_size)
-        _require(
-            data.mix_mode == "batch" or share % 2 == 0,
-            f"data.mix_mode={data.mix_mode} pairs the images of each process's batch, but a batch of "
-            f"{stage.batch_size} gives {share} per process; use an even per-process batch or data.mix_mode=batch",
-        )
-        if data.cutmix_minmax is not None:
-            low, high = (int(stage.image_size * fraction) for fraction in data.cutmix_minmax)
-            _require(
-                low < high,
-                f"data.cutmix_minmax={list(data.cutmix_minmax)} leaves no box side to draw at {stage.image_size} px "
-                f"({low} to {low} pixels); widen the range or set data.cutmix_minmax=null",
-            )
-    return parts.MixPlan(
-        mixup_alpha=data.mixup,
-        cutmix_alpha=cutmix_alpha,
-        cutmix_minmax=data.cutmix_minmax,
-        prob=data.mix_prob,
-        switch_prob=data.mix_switch_prob,
-        mode=data.mix_mode,
-        label_smoothing=config.train.label_smoothing,
-        num_classes=num_classes,
-    )
-
-
-def _ema_plan(config: Config, total_steps: int | None) -> parts.EmaPlan:
-    """The weight EMA; its other keys without train.ema_decay, or a cadence the run never reaches, are mistakes."""
-    train = config.train
-    if train.ema_decay == 0:
-        for key, value, default in (
-            ("ema_warmup", train.ema_warmup, False),
-            ("ema_every_steps", train.ema_every_steps, 1),
-        ):
-            _require(
-                value == default,
-                f"train.{key}={value} has no effect without an EMA; set train.ema_decay (e.g. 0.9998) or remove it",
-            )
-        return parts.EmaPlan()
-    _require(
-        total_steps is None or train.ema_every_steps <= total_steps,
-        f"train.ema_every_steps={train.ema_every_steps} exceeds the run's {total_steps} optimizer steps, so the EMA "
-        f"would never be updated; use at most {total_steps}",
-    )
-    return parts.EmaPlan(
-        decay=train.ema_decay, warmup=train.ema_warmup, every_steps=train.ema_every_steps, evaluate=train.ema_eval
-    )
-
-
-def _check_distill_token(config: Config, facts: ModelFacts) -> bool:
-    """Whether the student has a distillation token (set here or by the variant), which needs the CLS head."""
-    args = facts.args
-    token = (
-        config.model.distill_token if config.model.distill_token is not None else getattr(args, "distill_token", False)
-    )
-    head = config.model.head or getattr(args, "head", None)
-    _require(
-        not token or head == "cls",
-        f"model.distill_token=true with model.head={head}: the distillation head reads the CLS and distillation "
-        "tokens; set model.head=cls or model.distill_token=false",
-    )
-    aux_head = config.model.aux_head if config.model.aux_head is not None else getattr(args, "aux_head", False)
-    _require(
-        not (token and aux_head),
-        "model.aux_head=true with a distillation token (model.distill_token, or a deit_*_distilled variant): "
-        "the two heads do not combine; set model.aux_head=false or model.distill_token=false",
-    )
-    return token
-
-
-def profile_window(text: str | None) -> tuple[int, int] | None:
-    """train.profile ``"START:N"`` -> (START, N); None for None; ConfigError naming the form otherwise."""
-    if text is None:
-        return None
-    start, separator, count = str(text).partition(":")
-    window = (int(start), int(count)) if separator and start.isdigit() and count.isdigit() else None
-    _require(
-        window is not None and window[1] >= 1,
-        f"train.profile={text}: give START:N, the first step to trace (0-based) and how many steps (>= 1), "
-        "e.g. train.profile=20:5",
-    )
-    return window
-
-
-def _check_init_source(train: Any) -> None:
-    """``train.init_from`` names something that holds weights; ``train.init_weights`` only with timm:NAME."""
-    if train.init_from is None:
-        _require(train.init_weights is None, "train.init_weights is for train.init_from=timm:NAME; set both or neither")
-        return
-    if init_source_kind(train.init_from) == "timm":
-        _require(
-            train.init_weights is None
-            or (Path(train.init_weights).is_file() and Path(train.init_weights).suffix in WEIGHTS_SUFFIXES),
-            f"train.init_weights={train.init_weights}: no such .safetensors/.pth/.bin file; give the path of "
-            f"{train.init_from[5:]}'s weights (or leave it unset to use the local Hugging Face cache)",
-        )
-        return
-    path = Path(train.init_from)
-    _require(
-        path.is_file() or (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir(),
-        f"train.init_from={train.init_from}: no such checkpoint (or an incomplete one); give a run folder, a "
-        "runs/.../checkpoints/step-* file or sharded folder, a .safetensors file or timm:NAME",
-    )
-    _require(
-        train.init_weights is None,
-        f"train.init_weights is for train.init_from=timm:NAME; {train.init_from} holds its own weights: remove it",
-    )
-
-
-def _check_teacher_source(train: Any, models: ModelLookup) -> None:
-    """The teacher's files exist and the keys fit its kind (a timm name needs its local weights file)."""
-    kind = teacher_source_kind(train.teacher)
-    if kind == "timm":
-        _require(
-            train.teacher_weights is not None,
-            f"train.teacher={train.teacher} is a timm model name and nothing is downloaded: pass "
-            "--set train.teacher_weights=PATH (a local .safetensors, .pth or .bin file of its weights)",
-        )
-        _require(
-            Path(train.teacher_weights).is_file() and Path(train.teacher_weights).suffix in WEIGHTS_SUFFIXES,
-            f"train.teacher_weights={train.teacher_weights}: no such .safetensors/.pth/.bin file; give the path "
-            f"of {train.teacher}'s weights",
-        )
-    else:
-        _require(
-            Path(train.teacher).exists(),
-            f"train.teacher={train.teacher}: no such run folder or file; give a run folder, a checkpoint, a "
-            ".safetensors file from `vitrain export` or a timm model name",
-        )
-        _require(
-            train.teacher_weights is None,
-            f"train.teacher_weights is for a timm-name teacher; train.teacher={train.teacher} holds its own "
-            "weights: remove train.teacher_weights",
-        )
-    _require(
-        train.teacher_model is None or kind == "safetensors",
-        "train.teacher_model names the model of a .safetensors teacher; remove it for other teachers",
-    )
-    if train.teacher_model is not None:
-        _model_facts(train.teacher_model, models, "train.teacher_model")
-
-
-def _distill_plan(config: Config, facts: ModelFacts, models: ModelLookup) -> parts.DistillPlan | None:
-    """Knowledge distillation; the teacher keys without train.distill, or distillation without a teacher,
-    are mistakes. Loading the teacher (and checking its classes and image size) waits for the build."""
-    train = config.train
-    _check_distill_token(config, facts)
-    if train.distill == "none":
-        for key in ("teacher", "teacher_weights", "teacher_model"):
-            _require(
-                getattr(train, key) is None,
-                f"train.{key} has no effect without distillation; set train.distill=hard or soft, or remove it",
-            )
-        return None
-    _require(
-        train.teacher is not None,
-        f"train.distill={train.distill} needs a teacher: set train.teacher to a run folder, checkpoint, "
-        ".safetensors file or timm model name",
-    )
-    _check_teacher_source(train, models)
-    return parts.DistillPlan(
-        kind=train.distill,
-        alpha=train.distill_alpha,
-        tau=train.distill_tau,
-        teacher=train.teacher,
-        teacher_weights=train.teacher_weights,
-        teacher_model=train.teacher_model,
-    )
-
-
-TOKEN_LABEL_KEYS = {
-    "mix_token": False,
-    "mix_token_alpha": 1.0,
-    "dense_weight": 0.5,
-    "cls_weight": 1.0,
-    "token_ground_truth": False,
-}
-"""The train.* keys of token labeling and their defaults."""
-
-
-def _check_no_token_label_keys(train: Any) -> None:
-    for key, default in TOKEN_LABEL_KEYS.items():
-        _require(
-            getattr(train, key) == default,
-            f"train.{key}={getattr(train, key)} has no effect without token labels; set data.token_labels to a "
-            "folder of label maps (`vitrain label`) or remove it",
-        )
-
-
-def _token_label_plan(config: Config, num_classes: int, patch: int, facts: ModelFacts) -> parts.TokenLabelPlan | None:
-    """Token labeling (``data.token_labels``); its train.* keys without it, or with what its targets cannot
-    follow (pixel mixing, translation, distillation, a model without an auxiliary head), are mistakes. The
-    maps themselves are opened and checked against the training images at the build."""
-    data, train = config.data, config.train
-    if data.token_labels is None:
-        _check_no_token_label_keys(train)
-        return None
-    _require(
-        data.token_labels.is_dir(),
-        f"data.token_labels={data.token_labels}: no such folder; make label maps with "
-        f"`vitrain label --teacher T --out {data.token_labels}` (docs/token-labeling.md)",
-    )
-    mixing = [f"data.{key}" for key in ("mixup", "cutmix") if getattr(data, key)]
-    mixing += ["data.cutmix_minmax"] if data.cutmix_minmax is not None else []
-    _require(
-        not mixing,
-        f"{' and '.join(mixing)} with data.token_labels: the dense targets do not follow pixel mixing (VOLO drops "
-        "Mixup/CutMix for MixToken); set " + " ".join(f"{key}=0" for key in mixing) + " and train.mix_token=true",
-    )
-    _require(
-        data.translate == 0,
-        f"data.translate={data.translate} with data.token_labels: the dense targets follow the crop and flip, not "
-        "the shift; set data.translate=0",
-    )
-    _require(
-        train.loss == "ce",
-        f"train.loss={train.loss} with data.token_labels: the token-labeling loss is a soft-target cross-entropy; "
-        "set train.loss=ce",
-    )
-    _require(
-        train.distill == "none",
-        f"train.distill={train.distill} with data.token_labels: use one teacher signal; set train.distill=none "
-        "or data.token_labels=null",
-    )
-    args = facts.args
-    default_aux = getattr(args, "aux_head", getattr(args, "use_aux_head", None))
-    aux_head = config.model.aux_head if config.model.aux_head is not None else default_aux
-    _require(
-        default_aux is not None,
-        f"data.token_labels: {config.model.name} has no token grid to label; use a ViT, DeiT, LocalViT or VOLO",
-    )
-    _require(
-        bool(aux_head),
-        f"data.token_labels needs an auxiliary head on the patch tokens, which {config.model.name} is built "
-        "without; set model.aux_head=true",
-    )
-    return parts.TokenLabelPlan(
-        maps=data.token_labels,
-        num_classes=num_classes,
-        dense_weight=train.dense_weight,
-        cls_weight=train.cls_weight,
-        ground_truth=train.token_ground_truth,
-        mix_token=train.mix_token,
-        mix_alpha=train.mix_token_alpha,
-        patch_size=patch,
-    )
-
-
 def _training_parts(
-    config: Config, num_classes: int, patch: int, cpu_kernels: str, facts: ModelFacts, models: ModelLookup
+    config: Config, num_classes: int, patch: int, kernels: tuple[str, bool], facts: ModelFacts, models: ModelLookup
 ) -> tuple[parts.StepPlan, parts.RuntimePlan, parts.LoopPlan]:
+    cpu_kernels, amx_tiles = kernels
     train = config.train
     step = parts.StepPlan(
         label_smoothing=train.label_smoothing,
         grad_clip=config.optim.grad_clip,
         loss=train.loss,
-        distill=_distill_plan(config, facts, models),
-        token_labels=_token_label_plan(config, num_classes, patch, facts),
+        distill=distill_plan(config, facts, models),
+        token_labels=token_label_plan(config, num_classes, patch, facts),
     )
     return (
         step,
         parts.RuntimePlan(
-            host_allocator=train.host_allocator, cpu_kernels=cpu_kernels, channels_last=train.channels_last
+            host_allocator=config.performance.host_allocator,
+            cpu_kernels=cpu_kernels,
+            channels_last=config.performance.channels_last,
+            amx_tiles=amx_tiles,
         ),
         parts.LoopPlan(
             eval_every_epochs=train.eval_every_epochs,
@@ -1001,14 +598,14 @@ def resolve(
     :class:`ModelFacts`, :func:`vitrain.models.model_facts`) and, for ``auto``, what timing the run's step
     chose for its precision, mode and CPU kernels (``measured``; ``make_plan`` measures)."""
     world = world or World()
-    facts = _model_facts(config.model.name, models)
+    facts = model_facts_of(config.model.name, models)
     patch = _resolve_patch_size(config, facts)
     steps_per_epoch = _check_batch_and_length(config, data.num_train)
     device = resolve_device(config.train.device, hardware.cuda_available)
     if world.size > 1 and device == "cuda":
         device = f"cuda:{world.local_rank}"  # one GPU per process
     precision, mode = _resolve_precision(config, hardware, measured)
-    _check_inputs(config, data, precision, mode, device)
+    check_inputs(config, data, precision, mode, device)
     world, checkpoint_format = _resolve_parallel(config, world, precision, mode, hardware.cuda_available, facts)
     parallel = _parallel_plan(config, world, device)
     duration = _resolve_duration(config, steps_per_epoch)
@@ -1018,8 +615,9 @@ def resolve(
     _check_batches_split(batch.global_batch, batch.eval_batch, stages, world)
     lr = config.optim.lr * batch.global_batch / config.optim.reference_batch
     cpu_kernels = _resolve_cpu_kernels(config, device, precision, mode, hardware, measured)
-    step, runtime, loop = _training_parts(config, data.num_classes, patch, cpu_kernels, facts, models)
-    mixing = _mix_plan(config, data.num_classes, stages, batch)
+    kernels = (cpu_kernels, amx_tiles_for(config, hardware))
+    step, runtime, loop = _training_parts(config, data.num_classes, patch, kernels, facts, models)
+    mixing = mix_plan(config, data.num_classes, stages, batch)
     schedule = _schedule_plan(config, lr, steps_per_epoch, duration, data.num_train, stages)
     return Plan(
         config=config,
@@ -1038,7 +636,7 @@ def resolve(
         runtime=runtime,
         loop=loop,
         checkpoint=_checkpoint_plan(config, checkpoint_format),
-        ema=_ema_plan(config, schedule.total_steps),
+        ema=ema_plan(config, schedule.total_steps),
         log=_log_plan(config),
         measured=measured,
     )

@@ -60,7 +60,7 @@ class ModelConfig(Section):
     """Stochastic depth rate of the last block (linearly increasing from 0); the variant's when unset."""
     distill_token: bool | None = None
     """ViTs with a CLS head: DeiT's distillation token and second classifier (``head_dist``), trained against
-    the teacher by train.distill; the model's logits are the mean of both heads. The variant's when unset
+    the teacher by train.distill.kind; the model's logits are the mean of both heads. The variant's when unset
     (on for deit_*_distilled_patch16)."""
     aux_head: bool | None = None
     """Token labeling's auxiliary head: a classifier on every patch token (ViTs' ``aux_head``, VOLO's
@@ -207,10 +207,6 @@ class DataConfig(Section):
     wds_shuffle_buffer: int = Field(1000, ge=0)
     """webdataset training: samples held in each loader worker's shuffle buffer (besides the per-epoch shard
     order); 0 turns it off."""
-    token_labels: Path | None = None
-    """Token labeling (Jiang et al. 2021; VOLO): a folder of label maps from `vitrain label` (or the published
-    per-image TokenLabeling maps) turns it on; every patch token is trained against the teacher's map cut to
-    its crop (needs a model with an auxiliary head: model.aux_head=true for ViTs); null: off."""
 
     @field_validator("root", mode="before")
     @classmethod
@@ -291,6 +287,41 @@ class ScheduleConfig(Section):
     """Floor of the decay, as a fraction of the peak LR."""
 
 
+class EmaConfig(Section):
+    """An exponential moving average of the weights (fp32: ema = decay * ema + (1 - decay) * weights after each
+    update), checkpointed and evaluated beside the live weights; off while decay is 0."""
+
+    decay: float = Field(0.0, ge=0.0, lt=1.0)
+    """The EMA's decay per update; 0 turns it off (DeiT: 0.99996)."""
+    warmup: bool = False
+    """Warm the decay up as timm's ModelEmaV3: min(decay, 1 - (1 + t)^(-2/3)) at optimizer step t + 1."""
+    every_steps: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps (the decay applies per update)."""
+    evaluate: bool = True
+    """Evaluate the EMA weights beside the live ones at every evaluation (ema_top1 in metrics and summary)."""
+
+
+class DistillConfig(Section):
+    """Knowledge distillation from a frozen teacher (DeiT, Touvron et al. 2021)."""
+
+    kind: Literal["none", "soft", "hard"] = "none"
+    """soft (KL divergence to the teacher's softened probabilities) or hard (cross-entropy to the teacher's top
+    class), on the distillation head's logits (the class head's when the model has no distillation token);
+    none: off."""
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the distillation term; the label loss gets 1 - alpha (DeiT: 0.5)."""
+    tau: float = Field(1.0, gt=0.0)
+    """Temperature of soft distillation (DeiT: 1.0); hard distillation ignores it."""
+    teacher: str | None = None
+    """The teacher: a vitrain run folder or checkpoint (step-N.pt or sharded step-N/), a .safetensors file
+    written by `vitrain export`, or a timm model name (then train.distill.teacher_weights)."""
+    teacher_weights: Path | None = None
+    """Weights of a timm-name teacher: a local .safetensors, .pth or .bin file (nothing is downloaded)."""
+    teacher_model: str | None = None
+    """vitrain model name of a .safetensors teacher whose metadata holds no config (not written by
+    `vitrain export`)."""
+
+
 class TrainConfig(Section):
     batch_size: int = 256
     """Global batch size (images per optimizer step); the final curriculum stage's."""
@@ -325,30 +356,6 @@ class TrainConfig(Section):
     micro_batch_size: int | None = Field(None, ge=1)
     """Gradient accumulation: images per forward/backward on each process; every step accumulates over
     its share of the global batch in pieces of this size (null: the whole share at once)."""
-    activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
-    """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
-    channels_last: bool = False
-    """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
-    convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
-    host_allocator: Literal["cached", "system"] = "cached"
-    """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
-    no trimming), so a step's tensors stop page-faulting in fresh pages (docs/benchmarks.md, "What each
-    technique buys"); system: the C library's defaults (memory handed back as freed)."""
-    cpu_kernels: Literal["auto", "fused", "native"] = "auto"
-    """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
-    gradient sums. auto: the run's step is timed with and without them and the faster is taken; they are
-    built (first use, cached; needs g++ and ninja) only where bf16 is within their reach of the fastest
-    candidate; fused: fail if they cannot be built; native: PyTorch's own ops (vitrain/kernels,
-    docs/benchmarks.md)."""
-    compile: bool = False
-    """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
-    model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
-    eval batch is padded) is compiled before the training clock starts, so budgets do not pay for it."""
-    compile_backend: str = "inductor"
-    """torch.compile backend (inductor; cudagraphs, aot_eager, ... for debugging)."""
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
-    """Inductor's mode: default, or max-autotune-no-cudagraphs (matrix products and convolutions tried in
-    several generated kernels and the fastest kept; on GPUs, compiling takes minutes longer)."""
     seed: int = 0
     """Seed of model init, data order and augmentation."""
     device: str = "auto"
@@ -372,43 +379,63 @@ class TrainConfig(Section):
     at 2^16 and halves per skipped step, so a 17th skip in a row would happen at scale 1 (no scaling)."""
     progress: bool | Literal["auto"] = "auto"
     """Live progress bar (true/false); auto shows it only on a terminal."""
-    ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
-    """Keep an exponential moving average of the weights (fp32; ema = decay * ema + (1 - decay) * weights after
-    each update), checkpointed and evaluated beside the live weights; 0 turns it off (DeiT: 0.99996)."""
-    ema_warmup: bool = False
-    """Warm the EMA decay up as timm's ModelEmaV3: min(ema_decay, 1 - (1 + t)^(-2/3)) at optimizer step t + 1."""
-    ema_every_steps: int = Field(1, ge=1)
-    """Update the EMA every N optimizer steps (ema_decay applies per update)."""
-    ema_eval: bool = True
-    """Evaluate the EMA weights beside the live ones at every evaluation (ema_top1 in metrics and summary)."""
-    distill: Literal["none", "soft", "hard"] = "none"
-    """Knowledge distillation from train.teacher (DeiT): soft (KL divergence to the teacher's softened
-    probabilities) or hard (cross-entropy to the teacher's top class), on the distillation head's logits
-    (the class head's when the model has no distillation token); none: off."""
-    distill_alpha: float = Field(0.5, ge=0.0, le=1.0)
-    """Weight of the distillation term; the label loss gets 1 - alpha (DeiT: 0.5)."""
-    distill_tau: float = Field(1.0, gt=0.0)
-    """Temperature of soft distillation (DeiT: 1.0); hard distillation ignores it."""
-    teacher: str | None = None
-    """The teacher for train.distill: a vitrain run folder or checkpoint (step-N.pt or sharded step-N/), a
-    .safetensors file written by `vitrain export`, or a timm model name (then train.teacher_weights)."""
-    teacher_weights: Path | None = None
-    """Weights of a timm-name teacher: a local .safetensors, .pth or .bin file (nothing is downloaded)."""
-    teacher_model: str | None = None
-    """vitrain model name of a .safetensors teacher whose metadata holds no config (not written by
-    `vitrain export`)."""
+    ema: EmaConfig = EmaConfig()
+    """The weight EMA (train.ema.decay turns it on)."""
+    distill: DistillConfig = DistillConfig()
+    """Knowledge distillation (train.distill.kind turns it on)."""
+
+
+class TokenLabelConfig(Section):
+    """Token labeling (Jiang et al. 2021; VOLO): every patch token is trained against a teacher's label map cut
+    to its crop (docs/token-labeling.md)."""
+
+    maps: Path | None = None
+    """A folder of label maps from `vitrain label` (or the published per-image TokenLabeling maps); setting it
+    turns token labeling on (needs a model with an auxiliary head: model.aux_head=true for ViTs); null: off."""
     mix_token: bool = False
-    """MixToken (token labeling): a CutMix box on the token grid after the patch embedding, each image mixed
-    with its partner of the mirrored batch position; needs data.token_labels and replaces data.mixup/cutmix."""
+    """MixToken: a CutMix box on the token grid after the patch embedding, each image mixed with its partner of
+    the mirrored batch position; replaces data.mixup/cutmix."""
     mix_token_alpha: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     """MixToken: the share of own tokens is drawn from Beta(alpha, alpha) (VOLO and LV-ViT: 1.0)."""
     dense_weight: float = Field(0.5, ge=0.0, allow_inf_nan=False)
-    """Token labeling: weight of the mean per-token loss (VOLO: 0.5, LV-ViT: 0.5)."""
+    """Weight of the mean per-token loss (VOLO: 0.5, LV-ViT: 0.5)."""
     cls_weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
-    """Token labeling: weight of the class-token loss."""
-    token_ground_truth: bool = False
-    """Token labeling: the class token's target is the mean of the (smoothed) ground-truth label and the
-    teacher's map over the crop (the toolbox's --ground-truth); false: the teacher's alone (its default)."""
+    """Weight of the class-token loss."""
+    ground_truth: bool = False
+    """The class token's target is the mean of the (smoothed) ground-truth label and the teacher's map over the
+    crop (the toolbox's --ground-truth); false: the teacher's alone (its default)."""
+
+
+class PerformanceConfig(Section):
+    """How the step computes, none of which changes what it computes beyond rounding: memory, kernels, layout,
+    recomputation, compilation."""
+
+    activation_checkpointing: Annotated[int, Field(ge=0)] | Literal["all"] = 0
+    """Recompute the activations of the first N blocks in the backward pass (all: every block; 0: off)."""
+    channels_last: bool = False
+    """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
+    convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
+    host_allocator: Literal["cached", "system"] = "cached"
+    """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
+    no trimming), so a step's tensors stop page-faulting in fresh pages (docs/benchmarks.md, "What each
+    technique buys"); system: the C library's defaults (memory handed back as freed)."""
+    cpu_kernels: Literal["auto", "fused", "native"] = "auto"
+    """Fused CPU kernels for bf16 tensors outside autocast (O2, full): LayerNorm with float32 statistics and
+    gradient sums, and more (vitrain/kernels). auto: the run's step is timed with and without them and the
+    faster is taken; they are built (first use, cached; needs g++ and ninja) only where bf16 is within their
+    reach of the fastest candidate; fused: fail if they cannot be built; native: PyTorch's own ops."""
+    amx: Literal["auto", "off"] = "auto"
+    """vitrain's AMX tile kernels: auto uses them where the CPU has AMX-BF16 (unless the environment sets
+    VITRAIN_AMX=off); off: never (oneDNN's own use of AMX is unaffected)."""
+    compile: bool = False
+    """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
+    model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
+    eval batch is padded) is compiled before the training clock starts, so budgets do not pay for it."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (inductor; cudagraphs, aot_eager, ... for debugging)."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    """Inductor's mode: default, or max-autotune-no-cudagraphs (matrix products and convolutions tried in
+    several generated kernels and the fastest kept; on GPUs, compiling takes minutes longer)."""
 
 
 class CurriculumStage(Section):
@@ -516,6 +543,8 @@ class Config(BaseModel):
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()
+    token_labels: TokenLabelConfig = TokenLabelConfig()
+    performance: PerformanceConfig = PerformanceConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -1,5 +1,5 @@
 """What a weights argument names, from its text and the file system alone: ``train.init_from``,
-``train.teacher`` and the ``--from`` of fine-tuning. Reading the weights is :mod:`vitrain.weights`'s work;
+``train.distill.teacher`` and the ``--from`` of fine-tuning. Reading the weights is :mod:`vitrain.weights`'s work;
 ``resolve()`` checks the names here before any of it."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _probe_data(config) -> tuple[Any, str]:
 
 
 def check_auto_precision(context: Context) -> list[Check]:
-    """What ``precision=auto`` (and ``precision_mode``/``train.cpu_kernels`` auto) choose for the recipe's
+    """What ``precision=auto`` (and ``precision_mode``/``performance.cpu_kernels`` auto) choose for the recipe's
     model on this CPU, by timing its step as a run does (cached; fused kernels not built yet are left out)."""
     from vitrain.config import precision_policy
     from vitrain.train.precision_choice import measure_precision
@@ -141,15 +141,15 @@ def check_kernels(context: Context) -> list[Check]:
     data = {"compiler": compiler, "ninja": ninja, "cache": state, "path": str(path) if path else None}
     data["loaded"] = False
     if build.current_mode() == "native":
-        return [Check(SECTION, "fused kernels", "PASS", "off (train.cpu_kernels=native)", data=data)]
+        return [Check(SECTION, "fused kernels", "PASS", "off (performance.cpu_kernels=native)", data=data)]
     if state != "fresh":
         return [_kernels_not_loaded(state, path, compiler, ninja, data)]
     module = build.load()
     data["loaded"] = module is not None
     if module is None:
-        fix = "install a C++ compiler and ninja, or set train.cpu_kernels=native to use PyTorch's ops"
+        fix = "install a C++ compiler and ninja, or set performance.cpu_kernels=native to use PyTorch's ops"
         if build.ERROR_PATH_FAILURE in (build.failure() or ""):
-            fix = "rebuild them with the compiler torch was built with (the reason names it), or set train.cpu_kernels=native"
+            fix = "rebuild them with the compiler torch was built with (the reason names it), or set performance.cpu_kernels=native"
         return [Check(SECTION, "fused kernels", "WARN", f"load failed: {build.failure()}", fix, data)]
     amx = bool(module.amx_available()) and cpu_features.amx_allowed()
     data["amx_tiles"] = amx

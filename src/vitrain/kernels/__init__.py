@@ -12,7 +12,7 @@
 
 Where the ops apply: CPU tensors in bf16 outside autocast, which is what ``precision_mode=o2`` (and
 ``full``) run (the attention also under autocast: its result is what autocast gives); elsewhere the ops
-are PyTorch's. The run builder converts the model on CPU bf16 runs unless ``train.cpu_kernels=native``.
+are PyTorch's. The run builder converts the model on CPU bf16 runs unless ``performance.cpu_kernels=native``.
 What each one buys is in the docstring of its module and in docs/benchmarks.md.
 """
 

@@ -7,7 +7,7 @@ vector ISA (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or plain C
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a folder of their own per
 ISA and install of torch (:func:`extension_name`); building needs a C++ compiler and ninja (a
 dependency of the package, run from this Python's environment whether or not it is activated:
-:func:`ninja_binary`). ``train.cpu_kernels=fused`` makes a failed build an error.
+:func:`ninja_binary`). ``performance.cpu_kernels=fused`` makes a failed build an error.
 
 Each new build is checked once, in a child process, for one thing a compile cannot show: that an error
 raised in its C++ code reaches Python as a ``RuntimeError``. With a compiler whose unwind tables the
@@ -66,7 +66,7 @@ _lock = threading.Lock()
 
 
 class KernelBuildError(RuntimeError):
-    """``train.cpu_kernels=fused`` but the extension could not be built or loaded."""
+    """``performance.cpu_kernels=fused`` but the extension could not be built or loaded."""
 
 
 def _compile_flags(capability: str) -> list[str]:
@@ -216,7 +216,7 @@ def wait_for_lock_file(folder: Path, idle_s: float = LOCK_IDLE_S, poll_s: float 
         if idle >= idle_s:
             raise RuntimeError(
                 f"torch's build lock {lock} is a leftover (nothing in its folder changed for {idle:.0f} s: a killed "
-                "build, or a newer torch, which leaves the file behind): delete it, or set train.cpu_kernels=native"
+                "build, or a newer torch, which leaves the file behind): delete it, or set performance.cpu_kernels=native"
             )
         if not waiting:
             log.info("fused CPU kernels: waiting for the build that holds %s", lock)
@@ -330,7 +330,7 @@ def check_error_path(library: Path) -> None:
             raise RuntimeError(
                 f"{ERROR_PATH_FAILURE}: a process that made them raise one "
                 f"{_describe_exit(result.returncode)} ({library}); build them with the compiler torch was built "
-                "with (e.g. CXX=/usr/bin/g++, which builds into a folder of its own) or set train.cpu_kernels=native"
+                "with (e.g. CXX=/usr/bin/g++, which builds into a folder of its own) or set performance.cpu_kernels=native"
             )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -402,15 +402,15 @@ def _load_extension() -> ModuleType:
 
 def set_mode(mode: Mode) -> None:
     """``auto``: use the kernels where they apply if they build; ``fused``: build now, fail loudly if
-    they cannot; ``native``: PyTorch's ops only (``train.cpu_kernels``)."""
+    they cannot; ``native``: PyTorch's ops only (``performance.cpu_kernels``)."""
     global _mode
     if mode not in ("auto", "fused", "native"):
         raise ValueError(f"cpu kernels mode must be auto, fused or native, not {mode!r}")
     _mode = mode
     if mode == "fused" and load() is None:
         raise KernelBuildError(
-            f"train.cpu_kernels=fused, but the fused CPU kernels could not be built: {_failure}. "
-            "Install a C++ compiler (g++) and ninja, or set train.cpu_kernels=auto to fall back to PyTorch's ops."
+            f"performance.cpu_kernels=fused, but the fused CPU kernels could not be built: {_failure}. "
+            "Install a C++ compiler (g++) and ninja, or set performance.cpu_kernels=auto to fall back to PyTorch's ops."
         )
 
 
@@ -489,5 +489,5 @@ def current_mode() -> Mode:
 
 def wanted(device: str, precision: str) -> bool:
     """Whether a run on ``device`` in ``precision`` converts its model to the kernels: bf16 on CPU,
-    ``train.cpu_kernels`` not ``native``, and the extension builds (or loads from torch's cache)."""
+    ``performance.cpu_kernels`` not ``native``, and the extension builds (or loads from torch's cache)."""
     return device == "cpu" and precision == "bf16" and _mode != "native" and load() is not None

@@ -22,7 +22,7 @@ def apply_activation_checkpointing(model: nn.Module, num_blocks: int | Literal["
     count = len(blocks) if num_blocks == "all" else num_blocks
     if count > len(blocks):
         raise ConfigError(
-            f"train.activation_checkpointing={num_blocks} but the model has {len(blocks)} blocks; "
+            f"performance.activation_checkpointing={num_blocks} but the model has {len(blocks)} blocks; "
             f"use a number up to {len(blocks)} or all"
         )
     if any(
@@ -30,8 +30,8 @@ def apply_activation_checkpointing(model: nn.Module, num_blocks: int | Literal["
     ):
         # the recomputation in backward would update the running statistics a second time
         raise ConfigError(
-            f"train.activation_checkpointing: {type(model).__name__} has BatchNorm in its blocks, whose running "
-            "statistics the backward recomputation would update twice; set train.activation_checkpointing=0"
+            f"performance.activation_checkpointing: {type(model).__name__} has BatchNorm in its blocks, whose running "
+            "statistics the backward recomputation would update twice; set performance.activation_checkpointing=0"
         )
     for block in blocks[:count]:
         checkpoint(block)

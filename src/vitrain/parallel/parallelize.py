@@ -153,7 +153,7 @@ def apply_compile(model: nn.Module, parallel: ParallelPlan) -> None:
 
 
 def compile_mode_argument(mode: str) -> str | None:
-    """torch.compile's ``mode`` argument for ``train.compile_mode`` (None: torch's default)."""
+    """torch.compile's ``mode`` argument for ``performance.compile_mode`` (None: torch's default)."""
     return None if mode == "default" else mode
 
 

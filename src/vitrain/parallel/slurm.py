@@ -194,11 +194,11 @@ def _launch_with_requeue(command: list[str]) -> list[str]:
 
 CLUSTER_PATHS = (
     "data.root",
-    "data.token_labels",
+    "token_labels.maps",
     "train.init_from",
     "train.init_weights",
-    "train.teacher",
-    "train.teacher_weights",
+    "train.distill.teacher",
+    "train.distill.teacher_weights",
 )
 """Config keys naming files on the cluster: not looked for on the machine writing the script."""
 
@@ -212,9 +212,9 @@ def _stand_in_kind(key: str, value: object) -> str | None:
     text = str(value)
     if key == "data.root" or text.startswith(TIMM_PREFIX):
         return None
-    if key == "data.token_labels":
+    if key == "token_labels.maps":
         return "folder"
-    if key == "train.teacher":
+    if key == "train.distill.teacher":
         if Path(text).suffix in WEIGHTS_SUFFIXES:
             return "file"
         return "folder" if "/" in text else None
@@ -252,7 +252,7 @@ def check_train_config(config: Config, processes: int) -> Plan:
     length, curriculum, parallel strategy with precision, distillation and token-labeling keys. The data is
     taken to have the shape of :func:`vitrain.data.sources.nominal_source_info` (ImageNet-1k's for image
     folders and shards), and the files of :data:`CLUSTER_PATHS` to
-    exist (their form is still checked: a timm teacher needs train.teacher_weights, init weights need a
+    exist (their form is still checked: a timm teacher needs train.distill.teacher_weights, init weights need a
     weights suffix). The plan is for checking only (the precision unmeasured)."""
     from vitrain.config import ConfigError, Hardware, World, resolve
     from vitrain.data.sources import nominal_source_info

@@ -2,7 +2,7 @@
 
 The ImageNet-layout recipes need ``--set data.root=/path/to/imagenet`` (train/ and val/ inside).
 The VOLO recipes use RandAugment and CutOut (random erasing) as the paper does; ``volo_d1_224_tl`` adds
-token labeling with MixToken (the label maps' folder set with ``data.token_labels``), the others train
+token labeling with MixToken (the label maps' folder set with ``token_labels.maps``), the others train
 with plain labels.
 """
 
@@ -108,7 +108,7 @@ def nemo_vit_b16_ft_512() -> Config:
     config.optim.reference_batch = 512
     config.optim.weight_decay = 0.0
     config.schedule.warmup_epochs = 0
-    config.train.activation_checkpointing = "all"  # 1024 tokens per image at batch 512
+    config.performance.activation_checkpointing = "all"  # 1024 tokens per image at batch 512
     return config
 
 
@@ -149,13 +149,13 @@ def volo_d1_224_tl() -> Config:
     objective with MixToken", no MixUp or CutMix): volo_d1_224 plus sail-sg/volo main.py's token-labeling
     defaults (dense weight 0.5, class weight 1.0, the teacher's class target without the ground truth) and
     its model's MixToken (Beta(1, 1)). The maps are the TokenLabeling authors' NFNet-F6 top-5 (published,
-    one .pt per image) or your own from `vitrain label`: `--set data.token_labels=DIR --set data.root=...`."""
+    one .pt per image) or your own from `vitrain label`: `--set token_labels.maps=DIR --set data.root=...`."""
     config = _volo("volo_d1", 1.6e-3, 0.1, 0.96)
-    config.data.token_labels = Path("labels/imagenet-nfnet-f6-top5")
-    config.train.mix_token = True
-    config.train.mix_token_alpha = 1.0
-    config.train.dense_weight = 0.5
-    config.train.cls_weight = 1.0
+    config.token_labels.maps = Path("labels/imagenet-nfnet-f6-top5")
+    config.token_labels.mix_token = True
+    config.token_labels.mix_token_alpha = 1.0
+    config.token_labels.dense_weight = 0.5
+    config.token_labels.cls_weight = 1.0
     return config
 
 

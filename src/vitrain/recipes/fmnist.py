@@ -58,7 +58,7 @@ def fmnist_vit() -> Config:
 def fmnist_volo_10m() -> Config:
     """fmnist_10m with a small VOLO (volo_tiny_patch4: outlook attention on an 8x8 grid, then transformer blocks
     on 4x4; 2.35M parameters, 85 MFLOPs an image) in place of the LocalViT; its token-labeling head is on, so
-    `--set data.token_labels=DIR --set train.mix_token=true` trains it as VOLO is trained."""
+    `--set token_labels.maps=DIR --set token_labels.mix_token=true` trains it as VOLO is trained."""
     config = fmnist_10m()
     config.model.name = "volo_tiny_patch4"
     config.model.head = config.model.mlp_ratio = None  # the variant's: VOLO has no pooled head

@@ -1,7 +1,7 @@
 """The papers' ImageNet-1k training recipes: DeiT (Touvron et al. 2021) and DeiT III (Touvron et al. 2022).
 
 Each needs ``--set data.root=/path/to/imagenet`` (train/ and val/ inside); DeiT's distilled recipes also
-need the teacher's weights file (``--set train.teacher_weights=PATH``).
+need the teacher's weights file (``--set train.distill.teacher_weights=PATH``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _deit_family(model: str, image_size: int, drop_path: float) -> Config:
     config.data.mix_switch_prob = 0.5
     config.data.mix_mode = "batch"
     # main.py keeps a weight EMA (0.99996) by default but evaluates and reports the live weights.
-    config.train.ema_decay = 0.0
+    config.train.ema.decay = 0.0
     config.optim.grad_clip = None
     config.schedule.name = "cosine"
     config.schedule.warmup_epochs = 5
@@ -96,12 +96,12 @@ def _deit_distilled(model: str) -> Config:
     """DeiT's distilled models (Touvron et al. 2021, sec. 5.2; facebookresearch/deit README commands): the DeiT
     recipe with hard distillation (--distillation-type hard, alpha 0.5 and tau 1.0 by main.py's defaults)
     from a RegNetY-16GF teacher (--teacher-model regnety_160). Nothing is downloaded: the teacher's weights
-    (DeiT's regnety_160-a5fe301d.pth) must be given with --set train.teacher_weights=PATH."""
+    (DeiT's regnety_160-a5fe301d.pth) must be given with --set train.distill.teacher_weights=PATH."""
     config = _deit(model)
-    config.train.distill = "hard"
-    config.train.distill_alpha = 0.5
-    config.train.distill_tau = 1.0
-    config.train.teacher = "regnety_160"
+    config.train.distill.kind = "hard"
+    config.train.distill.alpha = 0.5
+    config.train.distill.tau = 1.0
+    config.train.distill.teacher = "regnety_160"
     return config
 
 
@@ -110,7 +110,7 @@ def deit_ti_distilled_300ep() -> Config:
     """DeiT-Ti/16 with the distillation token, 300 epochs at 224 px, hard distillation from RegNetY-16GF
     (Touvron et al. 2021); the paper reports 74.5 % top-1 (the mean of both heads).
     `vitrain train --recipe deit_ti_distilled_300ep --set data.root=/data/imagenet
-    --set train.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
+    --set train.distill.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
     return _deit_distilled("deit_tiny_distilled_patch16")
 
 
@@ -119,7 +119,7 @@ def deit_s_distilled_300ep() -> Config:
     """DeiT-S/16 with the distillation token, 300 epochs at 224 px, hard distillation from RegNetY-16GF
     (Touvron et al. 2021); the paper reports 81.2 % top-1 (the mean of both heads).
     `vitrain train --recipe deit_s_distilled_300ep --set data.root=/data/imagenet
-    --set train.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
+    --set train.distill.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
     return _deit_distilled("deit_small_distilled_patch16")
 
 
@@ -128,7 +128,7 @@ def deit_b_distilled_300ep() -> Config:
     """DeiT-B/16 with the distillation token, 300 epochs at 224 px, hard distillation from RegNetY-16GF
     (Touvron et al. 2021); the paper reports 83.4 % top-1 (the mean of both heads).
     `vitrain train --recipe deit_b_distilled_300ep --set data.root=/data/imagenet
-    --set train.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
+    --set train.distill.teacher_weights=/weights/regnety_160-a5fe301d.pth`."""
     return _deit_distilled("deit_base_distilled_patch16")
 
 

@@ -10,13 +10,13 @@
    module that runs; full: the model cast in place), then :func:`~vitrain.parallel.parallelize` on the
    module that runs (MixToken's hook goes on its patch embedding first): tensor parallelism -> activation
    checkpointing -> compile -> FSDP2 or DDP;
-   The distillation teacher (``train.teacher``), frozen and whole on every process, is loaded here too;
+   The distillation teacher (``train.distill.teacher``), frozen and whole on every process, is loaded here too;
 4. **optimizer** over the model's (the fp32 master's) parameters, after sharding made them DTensors;
 5. **step**: the :class:`~vitrain.train.step.TrainStep` holding all of the above and the run's objective,
    what each step optimizes (:func:`build_objective`: classification, distillation or token labeling);
 6. **loaders**: training and evaluation data, the mixer of training batches (Mixup/CutMix), and token
    labeling's label maps (opened and checked against the training images);
-7. **weight EMA** (``train.ema_decay``): a copy of the initialized weights, laid out as the parameters;
+7. **weight EMA** (``train.ema.decay``): a copy of the initialized weights, laid out as the parameters;
 8. **checkpoint manager** of the run folder.
 
 ``build_training_step`` is stages 1-5 alone (the benchmarks time its step).
@@ -80,7 +80,7 @@ class Run:
     mixer: BatchMixer | None = None
     """Mixup/CutMix of the training batches on the device (None: off)."""
     ema: ModelEma | None = None
-    """The weight EMA (None: train.ema_decay=0)."""
+    """The weight EMA (None: train.ema.decay=0)."""
     token_targets: TokenTargets | None = None
     """Token labeling's dense targets of the training batches (None: off)."""
 
@@ -174,7 +174,7 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
 
 
 def build_teacher(plan: Plan) -> nn.Module:
-    """The frozen distillation teacher of ``train.teacher``, whole on this process's device; a source that
+    """The frozen distillation teacher of ``train.distill.teacher``, whole on this process's device; a source that
     cannot be loaded or does not fit the data (classes, channels, every stage's image size) is a ConfigError."""
     distill = plan.step.distill
     try:
@@ -188,13 +188,13 @@ def build_teacher(plan: Plan) -> nn.Module:
             device=plan.device,
         )
     except TeacherError as error:
-        raise ConfigError(f"train.teacher={distill.teacher}: {error}") from None
+        raise ConfigError(f"train.distill.teacher={distill.teacher}: {error}") from None
 
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:
     """Stage 2: what changes how the built model computes, applied from outside it: the fused CPU
     kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU,
-    ``train.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
+    ``performance.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
     channels-last weights."""
     policy = plan.precision
     if kernels.wanted(policy.device, policy.dtype):

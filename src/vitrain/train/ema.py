@@ -1,8 +1,8 @@
 """An exponential moving average (EMA) of a model's weights, evaluated beside the live weights.
 
 Weight averaging as DeiT trains with it (Touvron et al. 2021, decay 0.99996, through timm's ``ModelEma``):
-after every ``train.ema_every_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * weights``,
-starting from the initial weights. With ``train.ema_warmup`` the decay follows timm's ``ModelEmaV3`` warm-up
+after every ``train.ema.every_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * weights``,
+starting from the initial weights. With ``train.ema.warmup`` the decay follows timm's ``ModelEmaV3`` warm-up
 (:func:`ema_decay_at`).
 
 - **fp32 always.** The EMA averages the weights the optimizer updates: the fp32 model (autocast), the fp32

@@ -1,4 +1,4 @@
-"""The host allocator (``train.host_allocator``): keep freed CPU memory for reuse.
+"""The host allocator (``performance.host_allocator``): keep freed CPU memory for reuse.
 
 glibc serves every allocation above 128 KiB with its own ``mmap`` and unmaps it on ``free``, so each
 large CPU tensor of a training step (activations, gradients, a VOLO stem's 51 MB feature maps) is
@@ -54,7 +54,7 @@ def configure_host_allocator(policy: Literal["cached", "system"]) -> bool:
     )
     applied = libc.mallopt(M_MMAP_MAX, mmap_max) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
     if not applied:
-        log.warning("train.host_allocator=%s: glibc refused the mallopt settings", policy)
+        log.warning("performance.host_allocator=%s: glibc refused the mallopt settings", policy)
     _cached = policy == "cached" if applied else _cached
     return applied
 

@@ -442,7 +442,7 @@ def _resume_point(plan: Plan, resume: str | None) -> tuple[Plan, Path | None, di
 
 
 def _warm_up(run: Run, metrics: MetricsSinks | NullWriter) -> None:
-    """train.compile: every shape compiled before the clock starts."""
+    """performance.compile: every shape compiled before the clock starts."""
     seconds = warm_up_compiled_shapes(run)
     shapes = forward_shapes(run.plan)
     log.info("compiled %d training shape(s) and the eval shape in %.1f s (outside the clock)", len(shapes), seconds)

@@ -1,4 +1,4 @@
-"""``precision=auto``, ``precision_mode=auto`` and ``train.cpu_kernels=auto``: chosen by timing the run's
+"""``precision=auto``, ``precision_mode=auto`` and ``performance.cpu_kernels=auto``: chosen by timing the run's
 own training step on this machine, never by a library's capability flag.
 
 Before the run starts, each candidate way of computing its step is built as the run builds it (model,
@@ -8,7 +8,7 @@ random images of the run's shape, at its per-process batch:
 - precision: fp32, and bf16 (on a CPU always, native or emulated; on CUDA where the GPU has bf16). fp16 is
   never a candidate: its loss scaling and narrow range are the user's decision;
 - mode: autocast and O2 where ``precision_mode=auto``, else the mode set;
-- the fused CPU kernels off and on where ``train.cpu_kernels=auto`` and they apply (CPU bf16 outside
+- the fused CPU kernels off and on where ``performance.cpu_kernels=auto`` and they apply (CPU bf16 outside
   autocast, or with AMX tiles). They are built (minutes, once per machine and torch) only when a bf16
   candidate with PyTorch's ops comes within :data:`KERNEL_REACH` of the fastest: on a CPU that emulates
   bf16 they cannot win, and nothing is built.
@@ -36,8 +36,20 @@ import torch
 
 from vitrain import kernels
 from vitrain.checkpoint.rng import capture_rng_state, restore_rng_state
-from vitrain.config import Config, ConfigError, DatasetInfo, Hardware, MeasuredPrecision, Plan, World, resolve
-from vitrain.config.resolve import kernels_can_apply
+from vitrain.config import (
+    Config,
+    ConfigError,
+    DatasetInfo,
+    DistillConfig,
+    EmaConfig,
+    Hardware,
+    MeasuredPrecision,
+    Plan,
+    TokenLabelConfig,
+    World,
+    resolve,
+)
+from vitrain.config.resolve import amx_tiles_for, kernels_can_apply
 from vitrain.models import model_facts
 from vitrain.parallel.distributed import active as distributed_active
 from vitrain.parallel.distributed import broadcast_object
@@ -80,7 +92,7 @@ class Candidate:
         """``config`` computing as this candidate does."""
         changed = config.model_copy(deep=True)
         changed.precision, changed.precision_mode = self.precision, self.mode
-        changed.train.cpu_kernels = self.kernels
+        changed.performance.cpu_kernels = self.kernels
         return changed
 
 
@@ -97,12 +109,12 @@ def candidates(config: Config, device: str, hardware: Hardware) -> list[Candidat
             continue
         modes = ["autocast", "o2"] if config.precision_mode == "auto" else [config.precision_mode]
         for mode in modes:
-            if not kernels_can_apply(device, precision, mode, hardware.amx_tiles):
+            if not kernels_can_apply(device, precision, mode, amx_tiles_for(config, hardware)):
                 options = ["native"]
-            elif config.train.cpu_kernels == "auto":
+            elif config.performance.cpu_kernels == "auto":
                 options = ["native", "fused"]
             else:
-                options = [config.train.cpu_kernels]
+                options = [config.performance.cpu_kernels]
             found += [Candidate(precision, mode, option) for option in options]
     return found
 
@@ -115,11 +127,9 @@ def probe_config(config: Config, per_process_batch: int) -> Config:
     probe.train.batch_size = per_process_batch
     if probe.train.micro_batch_size is not None:
         probe.train.micro_batch_size = min(probe.train.micro_batch_size, per_process_batch)
-    probe.train.compile = False
-    probe.train.distill, probe.train.teacher, probe.train.mix_token = "none", None, False
-    probe.data.token_labels = None
+    probe.performance.compile = False
+    probe.train.distill, probe.token_labels, probe.train.ema = DistillConfig(), TokenLabelConfig(), EmaConfig()
     probe.train.init_from = None
-    probe.train.ema_decay = 0.0
     probe.curriculum.stages, probe.curriculum.start_size = [], None
     probe.train.steps, probe.train.epochs, probe.train.samples, probe.train.budget = 1000, None, None, None
     return probe

@@ -21,7 +21,7 @@ class TrainState:
     checkpoint_s: float = 0.0
     best_top1: float | None = None
     best_ema_top1: float | None = None
-    """Best eval top-1 of the weight EMA (train.ema_decay)."""
+    """Best eval top-1 of the weight EMA (train.ema.decay)."""
     last_eval: dict[str, float] | None = None
     skipped_steps: int = 0
     """Steps whose update was skipped because their loss or gradient norm was not finite."""

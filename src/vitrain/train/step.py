@@ -256,7 +256,7 @@ class TrainStep:
     def warm_up(self, batches: Iterable[torch.Tensor]) -> None:
         """Forward (the objective's :meth:`~vitrain.train.objectives.Objective.warm_up`) and backward of each
         batch with no gradient reduction across processes and no update, then drop the gradients: compiles the
-        training shapes before the clock starts (``train.compile``)."""
+        training shapes before the clock starts (``performance.compile``)."""
         for images in batches:
             with deferred_gradient_sync(self.forward_module):
                 outputs = self.objective.warm_up(self.student, images)

@@ -21,9 +21,20 @@ from torch import nn
 
 from vitrain.checkpoint import CheckpointError, resolve_checkpoint_argument
 from vitrain.checkpoint.sharded import read_checkpoint_model
-from vitrain.config import Config, ConfigError, DataConfig, ModelPlan, Plan, build_config, resolve_device
+from vitrain.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    DistillConfig,
+    ModelPlan,
+    Plan,
+    TokenLabelConfig,
+    build_config,
+    resolve_device,
+    stored_config,
+)
 from vitrain.config.precision import PrecisionPolicy
-from vitrain.config.resolve import TOKEN_LABEL_KEYS, model_overrides, precision_policy
+from vitrain.config.resolve import model_overrides, precision_policy
 from vitrain.data import Normalize
 from vitrain.data.sources import FASHION_MNIST_CLASSES, image_folder_root, image_folder_samples, nominal_source_info
 from vitrain.models import build_model, model_spec
@@ -76,7 +87,7 @@ def checkpoint_config(
     (``model.attn_impl=sdpa_cudnn``, ...) becomes torch's choice (``sdpa``) unless ``overrides`` pin one.
     ``recorded``: the checkpoint's plan record, whose precision and mode (what the run's ``auto`` measured)
     replace ``auto`` unless ``overrides`` set them."""
-    base = Config.model_validate(saved)
+    base = stored_config(saved)
     recorded = recorded or {}
     if base.precision == "auto" and recorded.get("precision"):
         base.precision = recorded["precision"]
@@ -86,10 +97,7 @@ def checkpoint_config(
         base.model.attn_impl = "sdpa"
     config = build_config(base, list(yaml_files), list(overrides))
     config.parallel.strategy = "ddp"
-    defaults = Config()
-    for key in ("distill", "teacher", "teacher_weights", "teacher_model", "init_from", *TOKEN_LABEL_KEYS):
-        setattr(config.train, key, getattr(defaults.train, key))
-    config.data.token_labels = None
+    config.train.distill, config.token_labels, config.train.init_from = DistillConfig(), TokenLabelConfig(), None
     return config
 
 

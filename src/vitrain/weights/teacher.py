@@ -76,7 +76,7 @@ def _vitrain_teacher(
     if name is None:
         raise TeacherError(
             f"{source} carries no vitrain config (not written by `vitrain export`); name its model with "
-            "train.teacher_model (see `vitrain list-models`)"
+            "train.distill.teacher_model (see `vitrain list-models`)"
         )
     try:
         spec = model_spec(name)
@@ -118,7 +118,9 @@ def _timm_teacher(name: str, weights: str | Path | None, num_classes: int, in_ch
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise TeacherError(f"{name} is neither a file nor a timm model name{hint}; check the name or the path")
     if weights is None:
-        raise TeacherError(f"the timm teacher {name} needs its weights file: pass --set train.teacher_weights=PATH")
+        raise TeacherError(
+            f"the timm teacher {name} needs its weights file: pass --set train.distill.teacher_weights=PATH"
+        )
     path = Path(weights)
     try:
         state_dict = read_weights_file(path)
