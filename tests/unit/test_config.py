@@ -284,12 +284,29 @@ def test_parse_override_types():
         parse_override("novalue")
 
 
-def test_show_config_round_trips(capsys):
-    assert main(["show-config", "--set", "train.batch_size=77"]) == 0
+def test_show_config_raw_round_trips(capsys):
+    assert main(["show-config", "--raw", "--set", "train.batch_size=77"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"]["batch_size"] == 77
     assert Config.model_validate(printed) == build_config(get_recipe("fmnist"), [], ["train.batch_size=77"])
     assert config_to_yaml(Config.model_validate(printed)) == config_to_yaml(Config.model_validate(printed))
+
+
+def test_show_config_prints_what_the_run_will_do(capsys, tmp_path):
+    """auto and the templates resolved in the YAML (which repeats the run as --config), and what it implies."""
+    argv = ["--recipe", "fmnist", "--precision", "fp32", "--batch-size", "128", "--epochs", "2"]
+    assert main(["show-config", *argv, "--set", "data.limit_train=1280", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    printed = Config.model_validate(yaml.safe_load(out))
+    assert (printed.precision, printed.precision_mode, printed.train.device) == ("fp32", "autocast", "cpu")
+    assert printed.train.out_dir.startswith("runs/fmnist-") and "{" not in printed.train.out_dir
+    assert "# runs on cpu in fp32 autocast" in out
+    assert "# lr 0.0015: optim.lr 0.012 x batch 128 / optim.reference_batch 1024" in out
+    assert "# length: 2.00 epochs (2,560 images); 10 steps an epoch over 1280 images" in out
+    again = tmp_path / "again.yaml"
+    again.write_text(out)
+    assert main(["show-config", "--raw", "--config", str(again)]) == 0
+    assert Config.model_validate(yaml.safe_load(capsys.readouterr().out)) == printed
 
 
 def test_every_recipe_validates_and_is_documented(tmp_path):

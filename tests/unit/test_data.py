@@ -71,7 +71,7 @@ def test_fashion_mnist_missing_says_how_to_install(tmp_path):
 
 
 def test_imagefolder_classes_sorted_and_non_images_skipped(tiny_imagefolder):
-    samples, classes = image_folder_samples(tiny_imagefolder, "train")
+    samples, classes = image_folder_samples(tiny_imagefolder, "train", 0.05)
     assert classes == ["n01", "n02", "n03"]
     assert len(samples) == 18
     assert all(path.split("/")[-2] == classes[label] for path, label in samples)

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from vitrain import __version__
 from vitrain.cli import bench, catalog, checkpoints, data, doctor, report, train
 from vitrain.cli.common import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_PREEMPTED
 from vitrain.config import ConfigError
@@ -24,6 +25,7 @@ from vitrain.config import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     """Every command, in the order ``vitrain --help`` lists them; each module adds its own."""
     parser = argparse.ArgumentParser(prog="vitrain", description="Train vision transformers from scratch, fast.")
+    parser.add_argument("--version", action="version", version=f"vitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train._add_train_parsers(commands)
     checkpoints._add_checkpoint_parsers(commands)

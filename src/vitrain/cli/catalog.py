@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 
-from vitrain.cli.common import _add_config_arguments, load_config
+from vitrain.cli.common import _add_config_arguments, _add_run_flags, base_recipe, load_config, run_config
 from vitrain.config import Config, ConfigError, World, config_to_yaml
-from vitrain.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
+from vitrain.recipes import DEFAULT_RECIPE, list_recipes
 
 
 def _add_show_config_parser(commands) -> None:
     """``show-config``."""
-    show = commands.add_parser("show-config", help="print the resolved config as YAML")
+    show = commands.add_parser(
+        "show-config", help="print what the run will do: the resolved config as YAML (--raw: as given)"
+    )
     _add_config_arguments(show)
+    _add_run_flags(show)
+    show.add_argument("--raw", action="store_true", help="the config as given: auto settings and templates unresolved")
     show.add_argument(
         "--processes",
         type=int,
@@ -33,26 +37,63 @@ def _add_list_parsers(commands) -> None:
 
 
 def command_show_config(args: argparse.Namespace) -> int:
-    config = load_config(get_recipe(args.recipe), args)
-    print(config_to_yaml(config), end="")
-    print(measured_comment(config))
-    print(batch_comment(config, args.processes or World.from_env().size))
+    if args.raw:
+        print(config_to_yaml(load_config(base_recipe(args), args)), end="")
+        return 0
+    config, choice = run_config(args)
+    show_run(config, choice, args.processes or World.from_env().size)
     return 0
 
 
-def measured_comment(config: Config) -> str:
-    """YAML comments: what the config's ``auto`` precision, mode and CPU kernels measure on this machine (cached
-    after the first time), or why they could not be measured here."""
+def show_run(config: Config, choice, processes: int) -> None:
+    """What the run will do, as YAML comments over the resolved config: the recipe chosen for --data and why,
+    device, precision (measured where auto), each process's batch, the scaled LR, the length and the run folder.
+    The YAML itself has the auto settings and the run folder filled in, so ``--config`` of it repeats the run."""
     from vitrain.train import make_plan
 
+    for reason in choice.reasons if choice else ():
+        print(f"# {reason}")
+    batch = batch_comment(config, processes)  # a bad --processes before anything is measured
     try:
         plan = make_plan(config)
     except ConfigError as error:
-        return f"# auto settings not measured here: {error}"
-    policy = plan.precision
-    if plan.measured is None:
-        return f"# computes in {policy.dtype} ({policy.mode}) on {plan.device}, CPU kernels {plan.runtime.cpu_kernels}"
-    return f"# measured on {plan.device}: {plan.measured.describe()}"
+        print(config_to_yaml(config), end="")
+        print(f"# not resolved here: {error}")
+        print(batch)
+        return
+    print(config_to_yaml(resolved_config(plan)), end="")
+    for line in run_comments(plan):
+        print(f"# {line}")
+    print(batch)
+
+
+def resolved_config(plan) -> Config:
+    """The plan's config with what ``auto`` and the templates became: device, precision and mode, CPU kernels,
+    run folder."""
+    config = plan.config.model_copy(deep=True)
+    config.train.device, config.train.out_dir = plan.device, str(plan.out_dir)
+    config.precision, config.precision_mode = plan.precision.dtype, plan.precision.mode
+    config.performance.cpu_kernels = plan.runtime.cpu_kernels
+    return config
+
+
+def run_comments(plan) -> list[str]:
+    """Lines on what the run will do that the YAML does not say."""
+    schedule, optim = plan.schedule, plan.config.optim
+    measured = f" (measured: {plan.measured.describe()})" if plan.measured else ""
+    if schedule.duration_unit == "seconds":
+        length = f"{plan.config.train.budget} of training (wall clock, evaluation excluded)"
+    elif schedule.duration_unit == "steps":
+        length = f"{schedule.total_steps} optimizer steps"
+    else:
+        length = f"{schedule.run_length / schedule.num_train:.2f} epochs ({schedule.run_length:,.0f} images)"
+    return [
+        f"runs on {plan.device} in {plan.precision.dtype} {plan.precision.mode}{measured}",
+        f"lr {schedule.lr:.4g}: optim.lr {optim.lr:g} x batch {plan.batch.global_batch} / optim.reference_batch "
+        f"{optim.reference_batch}",
+        f"length: {length}; {schedule.steps_per_epoch} steps an epoch over {schedule.num_train} images",
+        f"run folder: {plan.out_dir}",
+    ]
 
 
 def batch_comment(config: Config, processes: int) -> str:

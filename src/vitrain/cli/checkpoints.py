@@ -51,12 +51,18 @@ def _add_predict_parser(commands) -> None:
     predict = commands.add_parser(
         "predict",
         help="classify image files or folders with a trained checkpoint (top-k classes and probabilities)",
-        description="Example: vitrain predict --checkpoint runs/fmnist/ photos/ --topk 3 --json",
+        description="Examples: vitrain predict runs/my-run photo.jpg; vitrain predict --checkpoint runs/fmnist/ "
+        "photos/ --topk 3 --json",
     )
-    predict.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="image files or folders (recursive)")
+    predict.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="image files or folders (recursive); without --checkpoint the first PATH is the run or checkpoint",
+    )
     predict.add_argument(
         "--checkpoint",
-        required=True,
         type=Path,
         help="a step-* file or sharded folder, or a run folder (its best checkpoint, else its newest)",
     )
@@ -120,6 +126,10 @@ def command_predict(args: argparse.Namespace) -> int:
 
     if args.topk < 1 or args.batch < 1:
         raise ConfigError(f"--topk {args.topk} --batch {args.batch}: both must be >= 1")
+    if args.checkpoint is None:
+        if len(args.paths) < 2:
+            raise ConfigError("give the run (or checkpoint) and then the images: vitrain predict RUN PATH...")
+        args.checkpoint, args.paths = args.paths[0], args.paths[1:]
     paths = predict.collect_image_paths(args.paths)
     trained = predict.load_trained_model(args.checkpoint, args.weights, args.config, args.overrides)
     style = "json" if args.json else "csv" if args.csv else "table"

@@ -8,9 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from vitrain.cli.common import _add_config_arguments, _write_json, load_config, processes
+from vitrain.cli.common import _add_config_arguments, _write_json, base_recipe, load_config, processes
 from vitrain.config import Config, ConfigError
-from vitrain.recipes import get_recipe
 
 
 def _add_download_parser(commands) -> None:
@@ -118,7 +117,7 @@ def command_shard(args: argparse.Namespace) -> int:
 
 
 def command_label(args: argparse.Namespace) -> int:
-    config = load_config(get_recipe(args.recipe), args)
+    config = load_config(base_recipe(args), args)
     from vitrain.token_labeling.label import LabelSettings, label_training_set
     from vitrain.train import make_plan
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vitrain.cli.common import _add_config_arguments, _write_json, load_config
-from vitrain.recipes import get_recipe
+from vitrain.cli.common import _add_config_arguments, _write_json, base_recipe, load_config
 
 
 def _add_doctor_parser(commands) -> None:
@@ -26,7 +25,7 @@ def _add_doctor_parser(commands) -> None:
 
 
 def command_doctor(args: argparse.Namespace) -> int:
-    config = load_config(get_recipe(args.recipe), args)
+    config = load_config(base_recipe(args), args)
     from vitrain.doctor import format_report, run_doctor
 
     report = run_doctor(config, device=args.device, out=args.out)

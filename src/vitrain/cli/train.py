@@ -8,15 +8,34 @@ import json
 import sys
 from pathlib import Path
 
-from vitrain.cli.common import EXIT_BAD_INPUT, _add_config_arguments, load_config, log, processes
+from vitrain.cli.common import (
+    EXIT_BAD_INPUT,
+    _add_config_arguments,
+    _add_run_flags,
+    base_recipe,
+    load_config,
+    log,
+    processes,
+    run_config,
+)
 from vitrain.config import Config, ConfigError, World, stored_config
 from vitrain.recipes import get_recipe
 
 
 def _add_train_parsers(commands) -> None:
     """``train`` and ``finetune``."""
-    train = commands.add_parser("train", help="train a recipe (default: locality ViT on Fashion-MNIST)")
+    train = commands.add_parser(
+        "train",
+        help="train a recipe, or on your images (default: a LocalViT on Fashion-MNIST)",
+        description="Examples: vitrain train (the default recipe on Fashion-MNIST); vitrain train --data my-images/ "
+        "--budget 1h (a recipe chosen for your images and the budget on this machine; --dry-run shows it); "
+        "vitrain train --recipe deit_s_300ep --data /data/imagenet --batch-size 1024",
+    )
     _add_config_arguments(train)
+    _add_run_flags(train)
+    train.add_argument(
+        "--dry-run", action="store_true", help="print the run (and the recipe chosen for --data) and stop"
+    )
     train.add_argument(
         "--resume",
         metavar="auto|last|best|PATH",
@@ -94,7 +113,7 @@ def command_slurm(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be >= 1")
     train = _parse_train_args(train_args)  # bad train arguments fail here, not on the cluster
-    config = load_config(get_recipe(train.recipe), train)  # and a bad --set before torch is imported
+    config = load_config(base_recipe(train), train)  # and a bad --set before torch is imported
     from vitrain.parallel.slurm import SlurmJob, check_train_config, sbatch_script
 
     job = SlurmJob(
@@ -132,7 +151,14 @@ def _print_result(summary: dict, world: World) -> None:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    config = load_config(get_recipe(args.recipe), args)
+    config, choice = run_config(args)
+    if args.dry_run:
+        from vitrain.cli.catalog import show_run
+
+        show_run(config, choice, World.from_env().size)
+        return 0
+    for reason in choice.reasons if choice else ():
+        log.info("--data: %s", reason)
     from vitrain.train import make_plan, train  # torch: once the config is known to be good
 
     with processes(config) as world:

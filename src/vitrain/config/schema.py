@@ -125,6 +125,10 @@ class DataConfig(Section):
     text)."""
     image_size: int = Field(28, ge=1)
     """Side of the square model input, in pixels."""
+    val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    """Image folders and CSV lists without a validation split (no val/, no split column): this fraction of each
+    class's images is held out for evaluation, the same images in every run (chosen by a hash of their paths);
+    the list is written to the run folder (val_split.json)."""
     limit_train: int | None = Field(None, ge=1)
     """Use only the first N training samples (quick runs)."""
     limit_eval: int | None = Field(None, ge=1)

@@ -510,5 +510,5 @@ def in_memory_split(data: DataPlan, split: str) -> sources.InMemoryDataset:
 def image_folder_splits(config: DataConfig) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """The ``(path, class index)`` samples of an image folder's training and evaluation splits, limited."""
     root = Path(sources.image_folder_root(config))
-    train_samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
-    return train_samples, sources.image_folder_samples(root, "eval")[0][: config.limit_eval]
+    train_samples = sources.image_folder_samples(root, "train", config.val_fraction)[0][: config.limit_train]
+    return train_samples, sources.image_folder_samples(root, "eval", config.val_fraction)[0][: config.limit_eval]

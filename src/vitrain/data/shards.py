@@ -216,10 +216,11 @@ def shard_folder(
     earlier call with the same arguments are kept; ``workers`` processes write shards side by side (default:
     one per CPU core)."""
     require_webdataset()
-    root = sources.image_folder_root(DataConfig(name="imagefolder", root=Path(root)))
+    source = DataConfig(name="imagefolder", root=Path(root))
+    root = sources.image_folder_root(source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    splits = {split: sources.image_folder_samples(root, split) for split in SPLIT_PREFIXES}
+    splits = {split: sources.image_folder_samples(root, split, source.val_fraction) for split in SPLIT_PREFIXES}
     classes = splits["train"][1]
     if not splits["train"][0]:
         raise ConfigError(f"ROOT {root}: no images under {root}/train (extensions {sources.IMAGE_EXTENSIONS})")

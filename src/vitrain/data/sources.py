@@ -151,7 +151,11 @@ def load_fashion_mnist(root: Path, split: str) -> InMemoryDataset:
     return InMemoryDataset(images.unsqueeze(1), labels.long(), num_classes=10)
 
 
-# --- ImageNet-layout folders ---------------------------------------------------------------------
+# --- Image folders and CSV lists -----------------------------------------------------------------
+#
+# data.root is one of: an ImageNet-layout folder (train/<class>/*, val/<class>/*); a folder of class
+# folders (<class>/*), or train/ alone; a CSV file of path,label rows. Where there is no val/, the
+# evaluation split is held out of the training images (data.val_fraction, per class, stable).
 
 
 def _split_dir(root: Path, split: str) -> Path:
@@ -176,23 +180,122 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> tuple[lis
     return samples, classes
 
 
+def image_folder_base(root: Path) -> Path:
+    """The folder the training images' paths are relative to: train/ of an ImageNet-layout root, the folder of
+    a CSV file, else the root."""
+    root = Path(root)
+    if root.is_file():
+        return root.parent
+    return root / "train" if (root / "train").is_dir() else root
+
+
+def _class_sort_key(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def read_csv_samples(path: Path) -> tuple[list[tuple[str, int]], list[str], list[str] | None]:
+    """A CSV of ``path,label`` rows (a header row naming them is optional; a third column ``split`` of train/val
+    splits it): the ``(path, class index)`` pairs, the class names (integers in numeric order, else sorted) and
+    each row's split (None without the column). Paths are relative to the CSV's folder unless absolute."""
+    import csv
+
+    with open(path, newline="") as handle:
+        rows = [row for row in csv.reader(handle) if row and any(cell.strip() for cell in row)]
+    if rows and [cell.strip().lower() for cell in rows[0][:2]] == ["path", "label"]:
+        rows = rows[1:]
+    bad = next((number for number, row in enumerate(rows, 1) if len(row) < 2 or not row[0].strip()), None)
+    if bad is not None or not rows:
+        where = f"row {bad} has no path,label" if bad else "it lists no images"
+        raise ConfigError(f"data.root={path}: {where}; write one image per row as path,label (a header is optional)")
+    classes = sorted({row[1].strip() for row in rows}, key=_class_sort_key)
+    index = {name: position for position, name in enumerate(classes)}
+    samples = [(str(path.parent / row[0].strip()), index[row[1].strip()]) for row in rows]
+    splits = [row[2].strip().lower() for row in rows] if all(len(row) > 2 for row in rows) else None
+    if splits is not None and not set(splits) <= {"train", "val"}:
+        raise ConfigError(f"data.root={path}: the third column (split) takes train or val, got {sorted(set(splits))}")
+    return samples, classes, splits
+
+
+def hold_out(samples: list[tuple[str, int]], base: Path, fraction: float) -> tuple[list, list]:
+    """(training, evaluation) samples: of each class of two images or more, ``fraction`` of its images (at least
+    one) go to evaluation, chosen by a hash of their path relative to ``base``, so the split is the same in
+    every process and every run, whatever the order of the files or where the folder was moved."""
+    by_class: dict[int, list[tuple[str, int]]] = {}
+    for sample in samples:
+        by_class.setdefault(sample[1], []).append(sample)
+    held = set()
+    for members in by_class.values():
+        if len(members) < 2:
+            continue
+        count = max(1, round(fraction * len(members)))
+        ranked = sorted(members, key=lambda sample: _path_hash(sample[0], base))
+        held.update(path for path, _ in ranked[:count])
+    return [s for s in samples if s[0] not in held], [s for s in samples if s[0] in held]
+
+
+def _path_hash(path: str, base: Path) -> str:
+    import hashlib
+
+    relative = os.path.relpath(path, base)
+    return hashlib.sha256(relative.encode()).hexdigest()
+
+
+def _all_splits(root: Path, val_fraction: float) -> tuple[list, list, list[str], bool]:
+    """(training samples, evaluation samples, class names, whether evaluation was held out); scanned once per
+    process and version of the root (a CSV rewritten is read again)."""
+    return _scanned_splits(root, val_fraction, root.stat().st_mtime_ns)
+
+
 @functools.lru_cache(maxsize=8)
-def image_folder_samples(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]]:
-    """Samples of one split of an ImageNet-layout root (scanned once per process)."""
-    classes = None if split == "train" else image_folder_samples(root, "train")[1]
-    return scan_image_folder(_split_dir(root, split), classes)
+def _scanned_splits(root: Path, val_fraction: float, version: int) -> tuple[list, list, list[str], bool]:
+    base = image_folder_base(root)
+    if root.is_file():
+        samples, classes, splits = read_csv_samples(root)
+        if splits is not None:
+            pairs = list(zip(samples, splits, strict=True))
+            return [s for s, k in pairs if k == "train"], [s for s, k in pairs if k == "val"], classes, False
+        return (*hold_out(samples, base, val_fraction), classes, True)
+    samples, classes = scan_image_folder(base)
+    if (root / "val").is_dir() and base != root:
+        return samples, scan_image_folder(root / "val", classes)[0], classes, False
+    return (*hold_out(samples, base, val_fraction), classes, True)
+
+
+def image_folder_samples(root: Path, split: str, val_fraction: float) -> tuple[list[tuple[str, int]], list[str]]:
+    """Samples of one split (``train`` or ``eval``) of an image folder or CSV list, and the class names
+    (scanned once per process)."""
+    train, evaluation, classes, _ = _all_splits(Path(root), val_fraction)
+    return (train if split == "train" else evaluation), classes
+
+
+def held_out_split(config: DataConfig) -> list[str] | None:
+    """The evaluation images held out of the training images (paths relative to the training folder), or None
+    where the source has its own evaluation split."""
+    root = image_folder_root(config)
+    _, evaluation, _, held = _all_splits(root, config.val_fraction)
+    base = image_folder_base(root)
+    return [os.path.relpath(path, base) for path, _ in evaluation] if held else None
 
 
 def image_folder_root(config: DataConfig) -> Path:
+    """data.root of an image-folder source, checked: a folder of images in class folders or a CSV file."""
     root = config.root
     if root is None:
-        raise ConfigError("data.root is required for data.name=imagefolder; set it to a folder holding train/ and val/")
-    for split in ("train", "eval"):
-        folder = _split_dir(root, split)
-        if not folder.is_dir():
-            raise ConfigError(
-                f"data.root: {folder} does not exist; an ImageNet-layout root holds train/<class>/* and val/<class>/*"
-            )
+        raise ConfigError(
+            "data.root is required for data.name=imagefolder; set it to a folder with a subfolder per class "
+            "(train/ and val/ inside, or not) or to a CSV file of path,label rows"
+        )
+    root = Path(root)
+    if root.is_file():
+        if root.suffix.lower() != ".csv":
+            raise ConfigError(f"data.root={root} is a file but not a .csv; give a folder of class folders or a CSV")
+        return root
+    if not root.is_dir():
+        raise ConfigError(f"data.root={root} does not exist; give a folder with a subfolder per class or a CSV file")
+    if not any(entry.is_dir() for entry in image_folder_base(root).iterdir()):
+        raise ConfigError(
+            f"data.root={root} has no class folders; put each class's images in a subfolder named after the class"
+        )
     return root
 
 
@@ -276,11 +379,13 @@ def describe_unsharded_source(config: DataConfig) -> DatasetInfo:
         return source_info(config, (num_train, num_eval, 10, 1, FASHION_MNIST_MEAN, FASHION_MNIST_STD))
     if config.name == "imagefolder":
         root = image_folder_root(config)
-        train, classes = image_folder_samples(root, "train")
-        evaluation, _ = image_folder_samples(root, "eval")
+        train, classes = image_folder_samples(root, "train", config.val_fraction)
+        evaluation, _ = image_folder_samples(root, "eval", config.val_fraction)
         if not train or not evaluation:
+            split = "training" if not train else "evaluation"
             raise ConfigError(
-                f"data.root: no images found under {root}/train or {root}/val (extensions {IMAGE_EXTENSIONS})"
+                f"data.root={root}: no {split} images (extensions {', '.join(IMAGE_EXTENSIONS)}); a held-out "
+                "evaluation split needs a class with two images or more"
             )
         return source_info(config, (len(train), len(evaluation), len(classes), 3, IMAGENET_MEAN, IMAGENET_STD))
     if config.name != "synthetic":

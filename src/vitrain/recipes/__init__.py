@@ -33,4 +33,4 @@ def list_recipes() -> dict[str, str]:
     return {name: (function.__doc__ or "").strip() for name, function in sorted(_RECIPES.items())}
 
 
-from vitrain.recipes import budget, fmnist, imagenet, papers  # noqa: E402,F401  (registers the recipes)
+from vitrain.recipes import budget, fmnist, imagenet, images, papers  # noqa: E402,F401  (registers the recipes)

@@ -213,8 +213,8 @@ class TrainingImages:
         config = data.source
         if config.name == "imagefolder":
             root = Path(sources.image_folder_root(config))
-            self.samples = sources.image_folder_samples(root, "train")[0][: config.limit_train]
-            self.keys = sample_keys_of_paths(root / "train", [path for path, _ in self.samples])
+            self.samples = sources.image_folder_samples(root, "train", config.val_fraction)[0][: config.limit_train]
+            self.keys = sample_keys_of_paths(sources.image_folder_base(root), [path for path, _ in self.samples])
             self.memory = None
         else:
             self.memory = in_memory_split(data, "train")

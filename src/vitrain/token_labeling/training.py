@@ -11,8 +11,6 @@ run drew; nothing here holds a position to save.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -34,8 +32,8 @@ def training_sample_keys(data: DataPlan, train_loader) -> list[str]:
     """The keys the label maps were made for, of the training samples in loader order (``vitrain label``'s)."""
     config = data.source
     if config.name == "imagefolder":
-        root = Path(sources.image_folder_root(config)) / "train"
-        return sample_keys_of_paths(root, [path for path, _ in train_loader.samples])
+        base = sources.image_folder_base(sources.image_folder_root(config))
+        return sample_keys_of_paths(base, [path for path, _ in train_loader.samples])
     return in_memory_sample_keys(config.name, len(train_loader.dataset))
 
 

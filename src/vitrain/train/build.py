@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from vitrain.checkpoint.sharded import load_model_state
 from vitrain.config import ConfigError, DataPlan, Plan, config_to_yaml
 from vitrain.data import Normalize, build_loaders
 from vitrain.data.mixing import BatchMixer, build_mixer
-from vitrain.data.sources import image_folder_root, image_folder_samples
+from vitrain.data.sources import held_out_split, image_folder_root, image_folder_samples
 from vitrain.io import write_file_atomic
 from vitrain.models import build_model, load_pretrained
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
@@ -219,7 +220,7 @@ def _class_names_record(data: DataPlan) -> dict[str, list[str]]:
         return {"class_names": list(classes)} if classes else {}
     if data.source.name != "imagefolder":
         return {}
-    return {"class_names": image_folder_samples(Path(image_folder_root(data.source)), "train")[1]}
+    return {"class_names": image_folder_samples(image_folder_root(data.source), "train", data.source.val_fraction)[1]}
 
 
 def _build_checkpoints(plan: Plan, step_fn: TrainStep, loaders: dict[str, Any], ema: ModelEma | None) -> RunCheckpoints:
@@ -323,12 +324,17 @@ def apply_init_from(run: Run, path: str | Path) -> list[str]:
 
 
 def prepare_run_folder(plan: Plan) -> None:
-    """Create the run folder and write the resolved config; an unwritable folder is a ConfigError."""
+    """Create the run folder and write the resolved config, and the evaluation images held out of an image
+    folder without val/ (``val_split.json``); an unwritable folder is a ConfigError."""
     if not plan.world.is_main:
         return
+    held = held_out_split(plan.data.source) if plan.data.source.name == "imagefolder" else None
     try:
         plan.out_dir.mkdir(parents=True, exist_ok=True)
         write_file_atomic(plan.out_dir / "config.yaml", config_to_yaml(plan.config).encode())
+        if held is not None:
+            record = {"val_fraction": plan.data.source.val_fraction, "images": held}
+            write_file_atomic(plan.out_dir / "val_split.json", (json.dumps(record, indent=1) + "\n").encode())
     except OSError as error:
         raise ConfigError(
             f"train.out_dir={plan.out_dir}: cannot write the run folder ({error.strerror or error}); "

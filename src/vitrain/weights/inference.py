@@ -107,7 +107,7 @@ def _source_class_names(data: DataConfig) -> list[str] | None:
     if data.name == "synthetic":
         return [f"class_{index}" for index in range(data.synthetic_num_classes)]
     try:
-        return image_folder_samples(image_folder_root(data), "train")[1]
+        return image_folder_samples(image_folder_root(data), "train", data.val_fraction)[1]
     except (ConfigError, OSError) as error:
         log.warning("class names unknown (the checkpoint has none and its image folder cannot be read: %s)", error)
         return None
