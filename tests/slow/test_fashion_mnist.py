@@ -29,7 +29,7 @@ HAVE_DATA = _have_fashion_mnist()
 )
 def test_default_recipe_one_epoch_reaches_stated_accuracy(tmp_path):
     """The default recipe shortened to 1 epoch (about a minute on 2 CPU cores) reaches 82 % test
-    top-1; the full recipe's per-epoch figures are in docs/benchmarks.md."""
+    top-1; the full recipe's figures are in docs/results.md."""
     config = make_config("train.epochs=1", "train.progress=off", f"train.out_dir={tmp_path}", base=get_recipe("fmnist"))
     summary = train(make_plan(config))
     assert summary["final_top1"] >= 82.0

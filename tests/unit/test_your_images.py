@@ -3,7 +3,6 @@ evaluation split, the plain flags, the recipe chosen for a budget, and the whole
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -195,25 +194,5 @@ def test_without_a_budget_the_rung_follows_the_number_of_images(tmp_path):
     choice = choose_for_data(config, lambda base: load_config(base, args), _fake_timer({}, []))
     assert choice.rung == LADDER[0] and choice.config.train.epochs == 7  # under 2,000 images
     assert images_recipe(LADDER[2], 30, 100_000).train.batch_size == LADDER[2].batch_size
-    assert images_recipe(LADDER[0], 30, 100).train.batch_size == 8  # eight steps an epoch at least
-
-
-def test_one_command_trains_on_a_folder_and_predict_names_its_classes(tmp_path, capsys, monkeypatch):
-    """The whole path: --data with a budget chooses, holds out, trains, evaluates; predict names the classes."""
-    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    names = tuple(f"class{index}" for index in range(10))
-    root = write_class_folders(tmp_path / "my-images", per_class=12, side=16, classes=names)
-    run = tmp_path / "runs" / "mine"
-    argv = ["train", "--data", str(root), "--budget", "10s", "--out", str(run), "--set", "data.num_workers=0"]
-    assert main([*argv, "--dry-run"]) == 0
-    shown = capsys.readouterr().out
-    assert "# chosen: localvit_tiny6_convstem_patch8 at 32 px" in shown and "images in 10 classes" in shown
-    assert not run.exists()
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert 0.0 <= result["final_top1"] <= 100.0
-    held = json.loads((run / "val_split.json").read_text())
-    assert len(held["images"]) == 10 and held["val_fraction"] == 0.05  # one of 12 in each class
-    assert main(["predict", str(run), str(root / "class3" / "000.jpg"), "--json"]) == 0
-    top = json.loads(capsys.readouterr().out)["top"]
-    assert {entry["class"] for entry in top} <= set(names)
+    assert images_recipe(LADDER[0], 30, 1000).train.batch_size == 64  # eight steps an epoch at least...
+    assert images_recipe(LADDER[0], 30, 100).train.batch_size == 32  # ... but not below 32

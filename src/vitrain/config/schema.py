@@ -481,7 +481,7 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Also save every N optimizer steps, mid-epoch included (0: off); a resumed run still ends bitwise equal."""
     every_minutes: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    """Also save when this many wall-clock minutes (evaluation included) have passed since this session's
+    """Also save when this many wall-clock minutes (evaluation included) have passed since this process's
     last checkpoint or its start (0: off): bounds the work a crash or a kill can lose."""
     keep_last: int = Field(2, ge=1)
     """Keep this many newest checkpoints, and also the one with the best eval top-1 (checkpoints/best.json)."""

@@ -8,14 +8,14 @@ from vitrain.recipes import register_recipe
 
 @register_recipe
 def fmnist() -> Config:
-    """Default run: a 6-block LocalViT (width 192, FFN ratio 2: a locality ViT whose FFN is
-    convolutional with BatchNorm and squeeze-excitation) with Xiao et al.'s convolutional stem (three
+    """Default run: a 6-block LocalViT (width 192, FFN ratio 2; Li et al.'s FFN: a depthwise convolution with
+    BatchNorm and squeeze-excitation) with Xiao et al.'s convolutional stem (three
     3x3 stride-2 convolutions, so patch 8 and a 4x4 token grid at 32 px) on Fashion-MNIST resized to
     32 px; the precision (fp32, bf16 autocast or bf16 O2) and the fused CPU kernels that time the fastest step
     on this machine (bf16 O2 with the kernels where bf16 is native); a 9-minute training budget
     so that `vitrain train` ends within 10 minutes on any 2-core machine; Muon on the blocks'
-    matrices, AdamW on the rest. Expected test top-1: about 93 % (92.75-92.97 % on each of the three 2-core
-    machine kinds of docs/results.md, which also compares the alternatives)."""
+    matrices, AdamW on the rest. Expected test top-1: about 93 % (docs/results.md, which also compares the
+    alternatives)."""
     config = Config(precision="auto", precision_mode="auto")  # measured: fp32, bf16 autocast or O2
     config.model.name = "localvit_tiny6_convstem_patch8"  # conv stem: beats patchify at equal epochs (docs/results.md)
     config.model.head = "gap"  # pooled head: beats the CLS head (docs/results.md)

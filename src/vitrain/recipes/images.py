@@ -57,7 +57,8 @@ def rung_for_images(num_train: int) -> Rung:
 def images_recipe(rung: Rung, epochs: float, num_train: int) -> Config:
     """The recipe of ``rung`` for a run of about ``epochs`` epochs over ``num_train`` images: fmnist's training
     (Muon, pooled head, cosine schedule); crops and flips from :data:`PLAIN_BELOW_EPOCHS` epochs, RandAugment and
-    random erasing from :data:`AUGMENT_FROM_EPOCHS`; a batch small enough for eight steps an epoch."""
+    random erasing from :data:`AUGMENT_FROM_EPOCHS`; a batch small enough for eight steps an epoch, and at
+    least 32 (the LR scales with it)."""
     config = fmnist()
     config.recipe = "images"
     config.data.name = "imagefolder"
@@ -68,7 +69,7 @@ def images_recipe(rung: Rung, epochs: float, num_train: int) -> Config:
     config.data.image_size = rung.image_size
     if epochs >= PLAIN_BELOW_EPOCHS:
         config.data.scale, config.data.hflip, config.data.crop_pct = (0.35, 1.0), 0.5, 0.875
-    config.train.batch_size = max(8, min(rung.batch_size, 1 << max(3, (num_train // 8).bit_length() - 1)))
+    config.train.batch_size = min(rung.batch_size, 1 << max(5, (num_train // 8).bit_length() - 1))
     config.schedule.warmup_epochs = round(min(5.0, max(0.5, epochs / 20)), 1)
     if epochs >= AUGMENT_FROM_EPOCHS:
         config.data.randaugment, config.data.random_erase = "rand-m9-mstd0.5-inc1", 0.25
