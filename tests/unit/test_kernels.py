@@ -845,12 +845,12 @@ def fresh_paths(monkeypatch):
     """kernels.paths() decided again from cpu_features (patched by the test), and again afterwards."""
     from vitrain import cpu_features
 
-    kernels.reset_paths()
-    cpu_features.amx_allowed.cache_clear()
+    kernels.use_amx_tiles(None)
+    cpu_features.amx_allowed_by_environment.cache_clear()
     yield cpu_features
     monkeypatch.undo()
-    kernels.reset_paths()
-    cpu_features.amx_allowed.cache_clear()
+    kernels.use_amx_tiles(None)
+    cpu_features.amx_allowed_by_environment.cache_clear()
 
 
 def test_without_onednn_bf16_or_amx_each_fused_path_falls_back_to_pytorch(built, fresh_paths, monkeypatch):
@@ -898,7 +898,7 @@ def test_a_bad_amx_switch_is_a_config_error_naming_it(fresh_paths, monkeypatch):
     monkeypatch.setenv("VITRAIN_AMX", "maybe")
     with pytest.raises(ConfigError, match="VITRAIN_AMX='maybe' is not understood; use VITRAIN_AMX=off"):
         detect_hardware("cpu")
-    fresh_paths.amx_allowed.cache_clear()
+    fresh_paths.amx_allowed_by_environment.cache_clear()
     monkeypatch.setenv("VITRAIN_AMX", "off")
     assert not fresh_paths.amx_allowed()
 

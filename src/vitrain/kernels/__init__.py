@@ -28,6 +28,7 @@ from vitrain.kernels.build import (
     paths,
     reset_paths,
     set_mode,
+    use_amx_tiles,
     wanted,
 )
 from vitrain.kernels.converter import convert
@@ -57,5 +58,6 @@ __all__ = [
     "paths",
     "reset_paths",
     "set_mode",
+    "use_amx_tiles",
     "wanted",
 ]

@@ -441,7 +441,7 @@ class Paths:
     """Linear layers add the bias inside oneDNN's bf16 product (``cpu_features.onednn_bf16_linear``)."""
     amx_tiles: bool
     """Attention and weight gradients on AMX tiles: the CPU has AMX-BF16, the kernels were built with
-    it, and ``VITRAIN_AMX`` does not forbid it."""
+    it, and this process may use them (:func:`use_amx_tiles`, else ``VITRAIN_AMX``)."""
 
 
 _paths: Paths | None = None
@@ -460,6 +460,14 @@ def reset_paths() -> None:
     """Decide :func:`paths` again on the next call (tests that patch what the CPU supports)."""
     global _paths
     _paths = None
+
+
+def use_amx_tiles(allowed: bool | None) -> None:
+    """Whether this process may run the AMX tile kernels from now on (a run's ``RuntimePlan.amx_tiles``;
+    None: as ``VITRAIN_AMX`` says): :func:`vitrain.cpu_features.allow_amx_tiles`, and :func:`paths`
+    decided again with it."""
+    cpu_features.allow_amx_tiles(allowed)
+    reset_paths()
 
 
 def _decide_paths() -> Paths:
