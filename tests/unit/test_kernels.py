@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -901,6 +902,34 @@ def test_a_bad_amx_switch_is_a_config_error_naming_it(fresh_paths, monkeypatch):
     fresh_paths.amx_allowed_by_environment.cache_clear()
     monkeypatch.setenv("VITRAIN_AMX", "off")
     assert not fresh_paths.amx_allowed()
+
+
+def test_the_plan_decides_whether_the_amx_tiles_run(built, fresh_paths, monkeypatch, small_synthetic_overrides):
+    """On a CPU with AMX-BF16 whose environment allows the tiles, building a run's step applies its plan's
+    ``runtime.amx_tiles``: off, the kernels' paths, ``amx_tiles_possible`` and the CPU key of measured choices
+    say no AMX; on again, they say AMX. The machine's fact (``Hardware.amx_tiles``) stays the environment's."""
+    from tests.conftest import make_config
+    from vitrain.train import make_plan
+    from vitrain.train.build import build_training_step
+
+    monkeypatch.delenv("VITRAIN_AMX", raising=False)
+    monkeypatch.setattr(fresh_paths, "_has_amx_bf16", lambda: True)  # not cpu_flags: cached answers read them
+    monkeypatch.setattr(built, "amx_available", lambda: True)
+    assert kernels.paths().amx_tiles and fresh_paths.amx_tiles_possible()
+    key_with_amx = fresh_paths.cpu_key()
+    plan = make_plan(make_config(*small_synthetic_overrides), measure=False)
+
+    def build(amx_tiles: bool) -> None:
+        build_training_step(dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, amx_tiles=amx_tiles)))
+
+    build(False)
+    assert not kernels.paths().amx_tiles and not fresh_paths.amx_tiles_possible() and not fresh_paths.amx_allowed()
+    assert fresh_paths.cpu_key() != key_with_amx and "amx tiles off" in fresh_paths.cpu_key()
+    assert detect_hardware("cpu").amx_tiles and fresh_paths.amx_allowed_by_environment()
+    build(True)
+    assert kernels.paths().amx_tiles and fresh_paths.cpu_key() == key_with_amx
+    kernels.use_amx_tiles(None)  # what the suite's fixture does after each test: the environment's answer
+    assert kernels.paths().amx_tiles and fresh_paths.amx_tiles_possible()
 
 
 def test_bf16_without_native_support_warns_once_that_fp32_is_faster(fresh_paths, monkeypatch, caplog):

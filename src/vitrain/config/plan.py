@@ -327,6 +327,8 @@ class RuntimePlan:
     host_allocator: Literal["cached", "system"]
     cpu_kernels: Literal["auto", "fused", "native"]
     channels_last: bool
+    amx_tiles: bool = False
+    """vitrain's AMX tile kernels may run: the CPU has AMX-BF16, and neither performance.amx nor VITRAIN_AMX is off."""
 
 
 @dataclasses.dataclass(frozen=True)

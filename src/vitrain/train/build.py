@@ -112,9 +112,11 @@ def build_run(plan: Plan) -> Run:
 
 
 def build_training_step(plan: Plan) -> TrainStep:
-    """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them."""
+    """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them.
+    The plan's process settings first: the host allocator, and whether the AMX tile kernels may run."""
     configure_host_allocator(plan.runtime.host_allocator)  # before the step's first allocations
     kernels.set_mode(plan.runtime.cpu_kernels)  # before the model: the attention probe times with it
+    kernels.use_amx_tiles(plan.runtime.amx_tiles)  # before the model: the attention probe times with it
     torch.manual_seed(plan.seed)
     model = build_model_for(plan)  # 1
     _apply_converters(model, plan)  # 2

@@ -308,6 +308,7 @@ def measure_precision(
     ]
     if len(found) < 2:
         return None
+    kernels.use_amx_tiles(plan.runtime.amx_tiles)  # as each candidate's build sets it: the cache key says so
     entry = None
     if world.is_main or not distributed_active():  # rank 0 measures; a process alone measures for itself
         batch = plan.batch.per_process(plan.batch.global_batch)
