@@ -135,12 +135,13 @@ def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | Non
 
 
 def check_kernels(context: Context) -> list[Check]:
-    """Loads the extension only from a fresh cache: compiling takes minutes."""
+    """Loads the extension only from a fresh cache: compiling takes minutes. Off where the config's
+    ``train.cpu_kernels`` is ``native``."""
     compiler, ninja = _compiler(), build.ninja_binary()
     state, path = build.cache_state()
     data = {"compiler": compiler, "ninja": ninja, "cache": state, "path": str(path) if path else None}
     data["loaded"] = False
-    if build.current_mode() == "native":
+    if context.config.train.cpu_kernels == "native":
         return [Check(SECTION, "fused kernels", "PASS", "off (train.cpu_kernels=native)", data=data)]
     if state != "fresh":
         return [_kernels_not_loaded(state, path, compiler, ninja, data)]
