@@ -81,15 +81,15 @@ def tiny_imagefolder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def kernels_mode_restored():
-    """Every in-process training run sets the fused CPU kernels' mode for the process (``performance.cpu_kernels``,
-    ``native`` wherever they cannot apply, as in fp32): each test starts from the default, ``auto``, and
-    leaves it so, whatever a test or a module's fixture (a run trained once for a module) set before."""
+def amx_tiles_restored():
+    """Every in-process training run sets whether the process may use the AMX tile kernels (its plan's
+    ``runtime.amx_tiles``): each test starts from the environment's answer (``VITRAIN_AMX``) and leaves it
+    so, whatever a test or a module's fixture (a run trained once for a module) set before."""
     from vitrain.kernels import build
 
-    build.set_mode("auto")
+    build.use_amx_tiles(None)
     yield
-    build.set_mode("auto")
+    build.use_amx_tiles(None)
 
 
 @pytest.fixture

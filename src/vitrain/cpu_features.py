@@ -12,6 +12,7 @@ three switches that lower what the libraries use:
 - ``ATEN_CPU_CAPABILITY`` (PyTorch): the vector ISA of ATen's kernels, and of vitrain's own kernels,
   which are compiled for the same one (``vitrain.kernels``);
 - ``VITRAIN_AMX=off`` (vitrain): vitrain's AMX tile kernels are not used even where the CPU has AMX.
+  A training run sets this process's answer from its plan, which heeds the switch (:func:`allow_amx_tiles`).
 
 The test suite sets all three to run its precision and kernel tests as the lower CPU levels would
 (``tests/unit/test_cpu_levels.py``).
@@ -127,15 +128,25 @@ def bf16_state() -> str:
 
 
 def amx_tiles_possible() -> bool:
-    """The CPU has AMX-BF16 tiles that vitrain's kernels may use (the flag, and ``VITRAIN_AMX`` not off);
+    """The CPU has AMX-BF16 tiles that vitrain's kernels may use (the flag, and :func:`amx_allowed`);
     whether the built kernels can use them is the kernels' own check (``kernels.paths()``)."""
-    flags = cpu_flags() or set()
-    return "amx_bf16" in flags and amx_allowed()
+    return _has_amx_bf16() and amx_allowed()
+
+
+def amx_tiles_in_environment() -> bool:
+    """The CPU has AMX-BF16 tiles and ``VITRAIN_AMX`` does not forbid them, whatever a run set with
+    :func:`allow_amx_tiles`: the machine's fact (``Hardware.amx_tiles``)."""
+    return _has_amx_bf16() and amx_allowed_by_environment()
+
+
+def _has_amx_bf16() -> bool:
+    return "amx_bf16" in (cpu_flags() or set())
 
 
 def cpu_key() -> str:
-    """What decides how fast (and bitwise how) a CPU computes: its model, the ISA ATen and oneDNN use, vitrain's
-    AMX switch, the thread count and torch. The key of measured choices and of recorded weight digests."""
+    """What decides how fast (and bitwise how) a CPU computes: its model, the ISA ATen and oneDNN use, whether
+    vitrain's AMX tiles may run (:func:`amx_tiles_possible`), the thread count and torch. The key of measured
+    choices and of recorded weight digests."""
     return " | ".join(
         [
             cpu_model(),
@@ -169,10 +180,27 @@ def onednn_bf16_linear() -> bool:
     return bool(torch.equal(out.float(), torch.nn.functional.linear(x.float(), weight.float(), bias.float())))
 
 
-@functools.cache
+_amx_setting: bool | None = None
+
+
+def allow_amx_tiles(allowed: bool | None) -> None:
+    """Set whether this process may use vitrain's AMX tile kernels (a run's plan: ``RuntimePlan.amx_tiles``);
+    None: the environment's answer again (:func:`amx_allowed_by_environment`). The kernels read it when they
+    decide their paths (``kernels.use_amx_tiles`` sets both)."""
+    global _amx_setting
+    _amx_setting = allowed
+
+
 def amx_allowed() -> bool:
-    """Whether ``VITRAIN_AMX`` lets vitrain use its AMX tile kernels (whether the CPU has AMX is the
-    kernels' own check)."""
+    """Whether vitrain may use its AMX tile kernels in this process: what :func:`allow_amx_tiles` set, else
+    what ``VITRAIN_AMX`` says (whether the CPU has AMX is the kernels' own check)."""
+    return _amx_setting if _amx_setting is not None else amx_allowed_by_environment()
+
+
+@functools.cache
+def amx_allowed_by_environment() -> bool:
+    """Whether ``VITRAIN_AMX`` lets vitrain use its AMX tile kernels; a value it does not understand is a
+    ValueError."""
     value = os.environ.get(AMX_SWITCH, "auto").strip().lower()
     if value not in _AMX_VALUES:
         raise ValueError(

@@ -17,12 +17,12 @@ def detect_hardware(device: str = "auto") -> Hardware:
     if cuda and device != "cpu":
         return Hardware(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported())
     try:
-        cpu_features.amx_allowed()
+        cpu_features.amx_allowed_by_environment()
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return Hardware(
         cuda_available=cuda,
         bf16_supported=cpu_features.cpu_bf16_native(),
         bf16_emulated=True,
-        amx_tiles=cpu_features.amx_tiles_possible(),
+        amx_tiles=cpu_features.amx_tiles_in_environment(),  # not what an earlier run of this process set
     )

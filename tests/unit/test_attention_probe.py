@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
 from tests.conftest import make_config
+from vitrain import kernels
 from vitrain.config import precision_policy
 from vitrain.models import build_model
 from vitrain.train import attention_probe, build_model_for, make_plan
@@ -40,15 +42,16 @@ def test_shapes_come_from_a_meta_forward():
 def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch):
     timed = []
 
-    def fake_timing(impl, shape, batch, policy):
-        timed.append((impl, shape, batch, policy.dtype, policy.mode))
+    def fake_timing(impl, shape, batch, policy, fused):
+        timed.append((impl, shape, batch, policy.dtype, policy.mode, fused))
         return {"sdpa": 2e-3, "matmul": 1e-3}[impl]
 
     monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
     model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
-    assert attention_probe.choose_attention(model, images, 64, O2) == {(17, 192, 3): "matmul"}
+    assert attention_probe.choose_attention(model, images, 64, O2, "native") == {(17, 192, 3): "matmul"}
     assert attention_probe.attention_impl(model) == "matmul"
-    assert sorted(impl for impl, *_ in timed) == ["matmul", "sdpa"] and timed[0][1:] == ((17, 192, 3), 64, "bf16", "o2")
+    assert sorted(impl for impl, *_ in timed) == ["matmul", "sdpa"]
+    assert timed[0][1:] == ((17, 192, 3), 64, "bf16", "o2", False)
     (entry,) = json.loads((cache_dir / "measured.json").read_text()).values()
     assert entry == {"impl": "matmul", "sdpa_ms": 2.0, "matmul_ms": 1.0}
 
@@ -57,10 +60,13 @@ def test_the_faster_path_is_set_on_every_layer_and_cached(cache_dir, monkeypatch
 
     monkeypatch.setattr(attention_probe, "time_attention", refuse)
     again = _meta_model()
-    attention_probe.choose_attention(again, images, 64, O2)
+    attention_probe.choose_attention(again, images, 64, O2, "native")
     assert attention_probe.attention_impl(again) == "matmul"
     with pytest.raises(RuntimeError, match="timed again"):  # another batch is another key
-        attention_probe.choose_attention(_meta_model(), images, 32, O2)
+        attention_probe.choose_attention(_meta_model(), images, 32, O2, "native")
+    monkeypatch.setattr(kernels.build, "load", lambda: types.ModuleType("built"))  # the kernels load here
+    with pytest.raises(RuntimeError, match="timed again"):  # the run's model converted: another key
+        attention_probe.choose_attention(_meta_model(), images, 64, O2, "auto")
 
 
 def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, small_synthetic_overrides):
@@ -79,7 +85,7 @@ def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: {"sdpa": 1.0, "matmul": 2.0}[impl])
     model = _meta_model()
     attention_probe.choose_attention(
-        model, torch.empty(1, 1, 28, 28, device="meta"), 8, precision_policy("fp32", "autocast", "cpu")
+        model, torch.empty(1, 1, 28, 28, device="meta"), 8, precision_policy("fp32", "autocast", "cpu"), "auto"
     )
     assert attention_probe.attention_impl(model) == "sdpa"
 
@@ -88,7 +94,8 @@ def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_
     policy = precision_policy("bf16", "o2", "cuda")
     milliseconds = {"sdpa": 3.0, "matmul": 5.0, "sdpa_flash": 3.0, "sdpa_cudnn": 2.0}
 
-    def fake_timing(impl, shape, batch, policy):
+    def fake_timing(impl, shape, batch, policy, fused):
+        assert not fused  # the fused CPU kernels never convert a CUDA run's layers
         if impl == "sdpa_efficient":
             raise RuntimeError("No available kernel. Aborting execution.\nmore lines")
         return milliseconds[impl] / 1e3
@@ -96,7 +103,7 @@ def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_
     monkeypatch.setattr(attention_probe, "time_attention", fake_timing)
     monkeypatch.setattr(attention_probe, "device_key", lambda device: "a GPU")
     model, images = _meta_model(), torch.empty(1, 1, 28, 28, device="meta")
-    assert attention_probe.choose_attention(model, images, 64, policy) == {(17, 192, 3): "sdpa_cudnn"}
+    assert attention_probe.choose_attention(model, images, 64, policy, "auto") == {(17, 192, 3): "sdpa_cudnn"}
     assert attention_probe.attention_impl(model) == "sdpa_cudnn"
     assert {m.core.backend for m in model.modules() if isinstance(m, attention_probe.Attention)} == {"sdpa_cudnn"}
     (entry,) = json.loads((cache_dir / "measured.json").read_text()).values()
@@ -104,18 +111,18 @@ def test_on_cuda_the_pinned_sdpa_kernels_are_candidates_and_one_that_cannot_run_
     assert {key for key in entry if key.endswith("_ms")} == {f"{impl}_ms" for impl in milliseconds}
 
     milliseconds["sdpa_cudnn"] = 9.0  # cached: not timed again
-    assert attention_probe.choose_attention(_meta_model(), images, 64, policy) == {(17, 192, 3): "sdpa_cudnn"}
+    assert attention_probe.choose_attention(_meta_model(), images, 64, policy, "auto") == {(17, 192, 3): "sdpa_cudnn"}
 
 
 def test_a_cached_entry_without_the_cuda_candidates_is_measured_again(cache_dir, monkeypatch):
     policy = precision_policy("bf16", "o2", "cuda")
     monkeypatch.setattr(attention_probe, "device_key", lambda device: "a GPU")
-    key = attention_probe._key((17, 192, 3), 64, policy)
+    key = attention_probe._key((17, 192, 3), 64, policy, False)
     cache_dir.mkdir()  # as the probe wrote it before the pinned kernels were candidates
     (cache_dir / "measured.json").write_text(json.dumps({key: {"impl": "sdpa", "sdpa_ms": 1.0, "matmul_ms": 2.0}}))
     timed = []
     monkeypatch.setattr(attention_probe, "time_attention", lambda impl, *args: timed.append(impl) or 1.0)
-    attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
+    attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy, "auto")
     assert sorted(timed) == sorted(attention_probe.CUDA_IMPLEMENTATIONS)
 
 
@@ -180,5 +187,5 @@ def test_a_pinned_kernel_failing_otherwise_than_by_refusing_the_shape_fails_the_
 
     monkeypatch.setattr(attention_probe, "time_attention", timing)
     with pytest.raises(torch.OutOfMemoryError):
-        attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy)
+        attention_probe.choose_attention(_meta_model(), torch.empty(1, 1, 28, 28, device="meta"), 64, policy, "auto")
     assert not (cache_dir / "measured.json").exists()

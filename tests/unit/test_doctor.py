@@ -261,6 +261,17 @@ def test_kernels_are_never_compiled_or_waited_for(monkeypatch, tmp_path, state):
     assert (line.status == "WARN") == (state == "locked") or line.data["compiler"] is None
 
 
+def test_kernels_are_off_where_the_config_says_native(monkeypatch):
+    """The config's mode decides, not whatever a run of this process set before."""
+    monkeypatch.setattr(cpu.build, "load", lambda: pytest.fail("the doctor must not load kernels that are off"))
+    native = build_config(get_recipe("fmnist"), [], ["data.name=synthetic", "performance.cpu_kernels=native"])
+    (line,) = cpu.check_kernels(Context(native))
+    assert line.status == "PASS" and line.value.startswith("off") and not line.data["loaded"]
+    monkeypatch.setattr(cpu.build, "cache_state", lambda: ("missing", None))
+    (line,) = cpu.check_kernels(Context(synthetic_config()))  # auto, the recipe's
+    assert not line.value.startswith("off"), line.value
+
+
 def test_cache_state_reads_torch_cache(monkeypatch, tmp_path):
     folder = tmp_path / cpu.build.extension_name()
     folder.mkdir()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -126,8 +128,25 @@ def test_native_path_where_the_kernels_do_not_apply(built):
     assert kernels.layer_norm(bf16, (32,), None, None, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
     empty = torch.empty(0, 32, dtype=torch.bfloat16, requires_grad=True)
     assert kernels.layer_norm(empty, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
-    kernels.set_mode("native")
-    assert kernels.layer_norm(bf16, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
+
+
+def test_the_mode_decides_the_conversion_and_nothing_else(built):
+    """``cpu_kernels`` is an argument of :func:`kernels.wanted`, not a setting of the process: ``native`` never
+    converts, even where the extension loads, and a model converted under ``auto`` runs the fused ops whatever
+    another run of the process asked for since; only CPU bf16 converts; a mode it does not know is refused."""
+    assert kernels.wanted("cpu", "bf16", "auto") and kernels.wanted("cpu", "bf16", "fused")
+    assert not kernels.wanted("cpu", "bf16", "native")
+    assert not any(kernels.wanted(*case, "auto") for case in (("cpu", "fp32"), ("cpu", "fp16"), ("cuda", "bf16")))
+    with pytest.raises(ValueError, match="auto, fused or native"):
+        kernels.wanted("cpu", "bf16", "on")
+    x = torch.randn(4, 32).to(torch.bfloat16).requires_grad_()
+    converted, plain = (nn.LayerNorm(32).to(torch.bfloat16) for _ in range(2))
+    for module, mode in ((converted, "auto"), (plain, "native")):  # native asked last: it must not stick
+        if kernels.wanted("cpu", "bf16", mode):  # as the run builder converts
+            kernels.convert(module)
+    assert type(converted) is converter.FusedLayerNorm and type(plain) is nn.LayerNorm
+    assert converted(x).grad_fn.name() == LAYER_NORM
+    assert plain(x).grad_fn.name() == "NativeLayerNormBackward0"
 
 
 @pytest.mark.parametrize("width", [192, 100])
@@ -176,8 +195,6 @@ def test_add_layer_norm_leaves_hooked_float32_and_autocast_norms_to_pytorch(buil
     assert len(seen) == 1 and seen[0] is y and y.grad_fn.name() == LAYER_NORM
     s, y = kernels.add_layer_norm(x.float(), branch.float(), norm.float())
     assert torch.equal(s, x.float() + branch.float()) and y.grad_fn.name() == "NativeLayerNormBackward0"
-    kernels.set_mode("native")
-    assert kernels.add_layer_norm(x, branch, norm.bfloat16())[1].grad_fn.name() == "NativeLayerNormBackward0"
 
 
 def test_vit_chains_its_blocks_residual_sums_into_the_next_norm(built):
@@ -227,10 +244,10 @@ def test_o2_step_runs_the_fused_layer_norm_and_tracks_the_native_one(built):
     from vitrain.train.step import TrainStep, apply_precision, build_grad_scaler
 
     def losses_for(mode):
-        kernels.set_mode(mode)
         torch.manual_seed(0)
         model = build_model("vit_tiny6_patch7", img_size=14, in_chans=1, num_classes=4, embed_dim=48)
-        kernels.convert(model)
+        if kernels.wanted("cpu", "bf16", mode):  # as the run builder converts
+            kernels.convert(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, fused=True)
         policy = precision_policy("bf16", "o2", "cpu")
         low_precision = apply_precision(model, policy)
@@ -272,8 +289,10 @@ def test_a_failed_build_falls_back_with_one_warning_or_fails_when_required(monke
     assert kernels.layer_norm(x, (32,), weight, bias, 1e-6).grad_fn.name() == "NativeLayerNormBackward0"
     warnings = [r.getMessage() for r in caplog.records if "fused CPU kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "g++: command not found" in warnings[0]
-    with pytest.raises(kernels.KernelBuildError, match="performance.cpu_kernels=auto"):
-        kernels.set_mode("fused")
+    assert not kernels.wanted("cpu", "bf16", "auto") and not kernels.wanted("cpu", "bf16", "native")
+    with pytest.raises(kernels.KernelBuildError, match="g\\+\\+: command not found.*performance.cpu_kernels=auto"):
+        kernels.wanted("cpu", "bf16", "fused")
+    assert not kernels.wanted("cpu", "fp32", "fused")  # nothing to convert: nothing to fail
 
 
 def _lock_folder(tmp_path, age_s):
@@ -561,8 +580,6 @@ def test_linear_leaves_float32_autocast_and_other_layouts_to_pytorch(built):
     transposed_storage = wide.t().contiguous().t()
     assert kernels.linear(x, transposed_storage, None).grad_fn.name() not in LINEAR
     assert kernels.linear(x, wide, None).grad_fn.name() in LINEAR
-    kernels.set_mode("native")
-    assert kernels.linear(x, wide, None).grad_fn.name() not in LINEAR
 
 
 def test_gelu_tables_are_exact_for_every_bf16_value(built):
@@ -587,7 +604,7 @@ def test_gelu_tables_are_exact_for_every_bf16_value(built):
 
 def test_gelu_backward_matches_pytorch_on_activations(built):
     """On fc1-like activations the gradient equals PyTorch's within one bf16 rounding (both round
-    g * GELU'(h) once); float32 and the native mode take PyTorch's GELU."""
+    g * GELU'(h) once); float32 takes PyTorch's GELU."""
     torch.manual_seed(0)
     h = (torch.randn(128, 65, 96) * 2).to(torch.bfloat16)
     g = torch.randn(h.shape).to(torch.bfloat16)
@@ -596,8 +613,6 @@ def test_gelu_backward_matches_pytorch_on_activations(built):
     (native,) = torch.autograd.grad(F.gelu(leaf), leaf, g)
     assert ((ours.double() - native.double()).abs() <= native.double().abs() * 2**-7 + 1e-6).all()
     assert kernels.gelu(h.float().requires_grad_()).grad_fn.name() == "GeluBackward0"
-    kernels.set_mode("native")
-    assert kernels.gelu(leaf).grad_fn.name() == "GeluBackward0"
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -620,16 +635,17 @@ def test_linear_gelu_matches_float64_and_the_separate_modules(built, bias, width
     reference = _linear_grads(lambda *a: F.gelu(F.linear(*a)), *doubles, grad_out.double())
     assert max(_relative_errors(fused, reference)) < 2**-7
 
-    mlp = Mlp(width, 192).to(torch.bfloat16)
+    plain = Mlp(width, 192).to(torch.bfloat16)
+    mlp = copy.deepcopy(plain)
     kernels.convert(mlp)
     x.requires_grad_()
     fused_out = mlp(x, (0, 0))
     fc1_node = fused_out.grad_fn.next_functions[0][0]  # fc2's input comes straight from fc1 + GELU
     assert fc1_node.name() in LINEAR and fc1_node.next_functions[0][0].variable is x
     fused_grads = torch.autograd.grad(fused_out, (x, *mlp.parameters()), grad_out[..., :width])
-    kernels.set_mode("native")
-    native_out = mlp(x, (0, 0))
-    native_grads = torch.autograd.grad(native_out, (x, *mlp.parameters()), grad_out[..., :width])
+    native_out = plain(x, (0, 0))
+    assert native_out.grad_fn.next_functions[0][0].name() not in LINEAR
+    native_grads = torch.autograd.grad(native_out, (x, *plain.parameters()), grad_out[..., :width])
     assert max(_relative_errors([fused_out, *fused_grads], [native_out.double(), *native_grads])) < 2**-6
 
 
@@ -773,7 +789,7 @@ def test_attention_kernel_refuses_bad_shapes_with_the_reason(built):
 
 def test_attention_runs_the_kernel_only_where_it_applies(built):
     """kernels.attention: the AMX kernel for bf16 CPU tensors (also under autocast) with head sizes
-    that are multiples of 32 and up to MAX_ATTENTION_TOKENS tokens; None otherwise, and in native mode."""
+    that are multiples of 32 and up to MAX_ATTENTION_TOKENS tokens; None otherwise."""
     if not _amx(built):
         qkv = torch.randn(2, 5, 3 * 64).to(torch.bfloat16)
         assert kernels.attention(qkv, 32, 0.1) is None
@@ -788,8 +804,6 @@ def test_attention_runs_the_kernel_only_where_it_applies(built):
     assert kernels.attention(too_long, 32, 0.1) is None
     strided = torch.randn(2, 9, 2 * 3 * 2 * 32).to(torch.bfloat16)[..., ::2]  # not contiguous
     torch.testing.assert_close(kernels.attention(strided, 32, 0.1), kernels.attention(strided.contiguous(), 32, 0.1))
-    kernels.set_mode("native")
-    assert kernels.attention(qkv, 32, 0.1) is None
 
 
 def test_o2_step_with_the_attention_kernel_tracks_the_explicit_attention(built):
@@ -845,12 +859,12 @@ def fresh_paths(monkeypatch):
     """kernels.paths() decided again from cpu_features (patched by the test), and again afterwards."""
     from vitrain import cpu_features
 
-    kernels.reset_paths()
-    cpu_features.amx_allowed.cache_clear()
+    kernels.use_amx_tiles(None)
+    cpu_features.amx_allowed_by_environment.cache_clear()
     yield cpu_features
     monkeypatch.undo()
-    kernels.reset_paths()
-    cpu_features.amx_allowed.cache_clear()
+    kernels.use_amx_tiles(None)
+    cpu_features.amx_allowed_by_environment.cache_clear()
 
 
 def test_without_onednn_bf16_or_amx_each_fused_path_falls_back_to_pytorch(built, fresh_paths, monkeypatch):
@@ -898,9 +912,37 @@ def test_a_bad_amx_switch_is_a_config_error_naming_it(fresh_paths, monkeypatch):
     monkeypatch.setenv("VITRAIN_AMX", "maybe")
     with pytest.raises(ConfigError, match="VITRAIN_AMX='maybe' is not understood; use VITRAIN_AMX=off"):
         detect_hardware("cpu")
-    fresh_paths.amx_allowed.cache_clear()
+    fresh_paths.amx_allowed_by_environment.cache_clear()
     monkeypatch.setenv("VITRAIN_AMX", "off")
     assert not fresh_paths.amx_allowed()
+
+
+def test_the_plan_decides_whether_the_amx_tiles_run(built, fresh_paths, monkeypatch, small_synthetic_overrides):
+    """On a CPU with AMX-BF16 whose environment allows the tiles, building a run's step applies its plan's
+    ``runtime.amx_tiles``: off, the kernels' paths, ``amx_tiles_possible`` and the CPU key of measured choices
+    say no AMX; on again, they say AMX. The machine's fact (``Hardware.amx_tiles``) stays the environment's."""
+    from tests.conftest import make_config
+    from vitrain.train import make_plan
+    from vitrain.train.build import build_training_step
+
+    monkeypatch.delenv("VITRAIN_AMX", raising=False)
+    monkeypatch.setattr(fresh_paths, "_has_amx_bf16", lambda: True)  # not cpu_flags: cached answers read them
+    monkeypatch.setattr(built, "amx_available", lambda: True)
+    assert kernels.paths().amx_tiles and fresh_paths.amx_tiles_possible()
+    key_with_amx = fresh_paths.cpu_key()
+    plan = make_plan(make_config(*small_synthetic_overrides), measure=False)
+
+    def build(amx_tiles: bool) -> None:
+        build_training_step(dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, amx_tiles=amx_tiles)))
+
+    build(False)
+    assert not kernels.paths().amx_tiles and not fresh_paths.amx_tiles_possible() and not fresh_paths.amx_allowed()
+    assert fresh_paths.cpu_key() != key_with_amx and "amx tiles off" in fresh_paths.cpu_key()
+    assert detect_hardware("cpu").amx_tiles and fresh_paths.amx_allowed_by_environment()
+    build(True)
+    assert kernels.paths().amx_tiles and fresh_paths.cpu_key() == key_with_amx
+    kernels.use_amx_tiles(None)  # what the suite's fixture does after each test: the environment's answer
+    assert kernels.paths().amx_tiles and fresh_paths.amx_tiles_possible()
 
 
 def test_bf16_without_native_support_warns_once_that_fp32_is_faster(fresh_paths, monkeypatch, caplog):

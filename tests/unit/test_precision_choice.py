@@ -231,7 +231,7 @@ def test_show_config_prints_the_measured_choice_and_its_figures(cache_dir, capsy
     argv += ["--set", "data.name=synthetic", "--set", "precision=auto", "--set", "performance.cpu_kernels=native"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    measured = next(line for line in lines if line.startswith("# measured on cpu: "))
+    measured = next(line for line in lines if line.startswith("# runs on cpu in ") and "(measured: " in line)
     assert "fp32 " in measured and "bf16 autocast " in measured and "img/s at batch 16" in measured
     assert main([*argv, "--set", "precision=fp32"]) == 0  # nothing to choose: what it computes in, unmeasured
-    assert "# computes in fp32 (autocast) on cpu" in capsys.readouterr().out
+    assert "# runs on cpu in fp32 autocast\n" in capsys.readouterr().out

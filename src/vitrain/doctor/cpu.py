@@ -135,12 +135,13 @@ def _kernels_not_loaded(state: str, path, compiler: str | None, ninja: str | Non
 
 
 def check_kernels(context: Context) -> list[Check]:
-    """Loads the extension only from a fresh cache: compiling takes minutes."""
+    """Loads the extension only from a fresh cache: compiling takes minutes. Off where the config's
+    ``performance.cpu_kernels`` is ``native``."""
     compiler, ninja = _compiler(), build.ninja_binary()
     state, path = build.cache_state()
     data = {"compiler": compiler, "ninja": ninja, "cache": state, "path": str(path) if path else None}
     data["loaded"] = False
-    if build.current_mode() == "native":
+    if context.config.performance.cpu_kernels == "native":
         return [Check(SECTION, "fused kernels", "PASS", "off (performance.cpu_kernels=native)", data=data)]
     if state != "fresh":
         return [_kernels_not_loaded(state, path, compiler, ninja, data)]
@@ -151,7 +152,7 @@ def check_kernels(context: Context) -> list[Check]:
         if build.ERROR_PATH_FAILURE in (build.failure() or ""):
             fix = "rebuild them with the compiler torch was built with (the reason names it), or set performance.cpu_kernels=native"
         return [Check(SECTION, "fused kernels", "WARN", f"load failed: {build.failure()}", fix, data)]
-    amx = bool(module.amx_available()) and cpu_features.amx_allowed()
+    amx = bool(module.amx_available()) and cpu_features.amx_allowed_by_environment()
     data["amx_tiles"] = amx
     value = f"built, cached in {path.parent}" + (", AMX tiles" if amx else "")
     return [Check(SECTION, "fused kernels", "PASS", value, data=data)]

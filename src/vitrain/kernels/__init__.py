@@ -12,7 +12,9 @@
 
 Where the ops apply: CPU tensors in bf16 outside autocast, which is what ``precision_mode=o2`` (and
 ``full``) run (the attention also under autocast: its result is what autocast gives); elsewhere the ops
-are PyTorch's. The run builder converts the model on CPU bf16 runs unless ``performance.cpu_kernels=native``.
+are PyTorch's. The run builder converts the model on CPU bf16 runs where :func:`wanted` says so for the
+plan's mode (``performance.cpu_kernels``): a model not converted never reaches the fused ops. Whether the AMX tiles
+run is the plan's too (:func:`use_amx_tiles`).
 What each one buys is in the docstring of its module and in docs/benchmarks.md.
 """
 
@@ -22,12 +24,11 @@ from vitrain.kernels.build import (
     SOURCES,
     KernelBuildError,
     Paths,
-    current_mode,
     extension,
     load,
     paths,
     reset_paths,
-    set_mode,
+    use_amx_tiles,
     wanted,
 )
 from vitrain.kernels.converter import convert
@@ -45,7 +46,6 @@ __all__ = [
     "add_layer_norm",
     "attention",
     "convert",
-    "current_mode",
     "depthwise_conv3x3",
     "extension",
     "gelu",
@@ -56,6 +56,6 @@ __all__ = [
     "locality_front",
     "paths",
     "reset_paths",
-    "set_mode",
+    "use_amx_tiles",
     "wanted",
 ]

@@ -9,11 +9,13 @@ from vitrain.kernels import build
 
 
 def applies(x: torch.Tensor, *params: torch.Tensor | None, under_autocast: bool = False) -> bool:
-    """The fused path: the kernels loaded and enabled, a non-empty bf16 CPU tensor, outside autocast
-    (unless the op's result is what autocast would give too: ``under_autocast``), and plain bf16 or
-    float32 parameters (DTensors of tensor parallelism take PyTorch's ops). Also true while
-    ``torch.compile`` traces: the ops are registered, so compiled graphs call them."""
-    if build.current_mode() == "native" or build.extension() is None:
+    """The fused path: the kernels loaded, a non-empty bf16 CPU tensor, outside autocast (unless the op's
+    result is what autocast would give too: ``under_autocast``), and plain bf16 or float32 parameters
+    (DTensors of tensor parallelism take PyTorch's ops). Also true while ``torch.compile`` traces: the ops
+    are registered, so compiled graphs call them. No mode is checked here: only the modules that
+    :func:`~vitrain.kernels.convert` swapped in call the ops, and a run converts its model only where
+    :func:`~vitrain.kernels.wanted` says so for its plan."""
+    if build.extension() is None:
         return False
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or isinstance(x, DTensor) or x.numel() == 0:
         return False

@@ -59,7 +59,6 @@ SOURCES = [
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "common.h", "tiles.h")]
 
-_mode: Mode = "auto"
 _module: ModuleType | None = None
 _failure: str | None = None
 _lock = threading.Lock()
@@ -400,20 +399,6 @@ def _load_extension() -> ModuleType:
         )
 
 
-def set_mode(mode: Mode) -> None:
-    """``auto``: use the kernels where they apply if they build; ``fused``: build now, fail loudly if
-    they cannot; ``native``: PyTorch's ops only (``performance.cpu_kernels``)."""
-    global _mode
-    if mode not in ("auto", "fused", "native"):
-        raise ValueError(f"cpu kernels mode must be auto, fused or native, not {mode!r}")
-    _mode = mode
-    if mode == "fused" and load() is None:
-        raise KernelBuildError(
-            f"performance.cpu_kernels=fused, but the fused CPU kernels could not be built: {_failure}. "
-            "Install a C++ compiler (g++) and ninja, or set performance.cpu_kernels=auto to fall back to PyTorch's ops."
-        )
-
-
 def load() -> ModuleType | None:
     """The compiled extension (built on the first call), or None when it cannot be built."""
     global _module, _failure
@@ -441,7 +426,7 @@ class Paths:
     """Linear layers add the bias inside oneDNN's bf16 product (``cpu_features.onednn_bf16_linear``)."""
     amx_tiles: bool
     """Attention and weight gradients on AMX tiles: the CPU has AMX-BF16, the kernels were built with
-    it, and ``VITRAIN_AMX`` does not forbid it."""
+    it, and this process may use them (:func:`use_amx_tiles`, else ``VITRAIN_AMX``)."""
 
 
 _paths: Paths | None = None
@@ -460,6 +445,14 @@ def reset_paths() -> None:
     """Decide :func:`paths` again on the next call (tests that patch what the CPU supports)."""
     global _paths
     _paths = None
+
+
+def use_amx_tiles(allowed: bool | None) -> None:
+    """Whether this process may run the AMX tile kernels from now on (a run's ``RuntimePlan.amx_tiles``;
+    None: as ``VITRAIN_AMX`` says): :func:`vitrain.cpu_features.allow_amx_tiles`, and :func:`paths`
+    decided again with it."""
+    cpu_features.allow_amx_tiles(allowed)
+    reset_paths()
 
 
 def _decide_paths() -> Paths:
@@ -483,11 +476,20 @@ def extension() -> ModuleType | None:
     return _module
 
 
-def current_mode() -> Mode:
-    return _mode
-
-
-def wanted(device: str, precision: str) -> bool:
-    """Whether a run on ``device`` in ``precision`` converts its model to the kernels: bf16 on CPU,
-    ``performance.cpu_kernels`` not ``native``, and the extension builds (or loads from torch's cache)."""
-    return device == "cpu" and precision == "bf16" and _mode != "native" and load() is not None
+def wanted(device: str, precision: str, mode: Mode) -> bool:
+    """Whether a run on ``device`` in ``precision`` converts its model to the kernels, by ``mode`` (the plan's
+    ``RuntimePlan.cpu_kernels``): bf16 on CPU and ``auto`` or ``fused``; ``auto`` also needs the extension to
+    build (or load from torch's cache), ``fused`` fails with :class:`KernelBuildError` where it cannot."""
+    if mode not in ("auto", "fused", "native"):
+        raise ValueError(f"cpu kernels mode must be auto, fused or native, not {mode!r}")
+    if device != "cpu" or precision != "bf16" or mode == "native":
+        return False
+    if load() is not None:
+        return True
+    if mode == "fused":
+        raise KernelBuildError(
+            f"performance.cpu_kernels=fused, but the fused CPU kernels could not be built: {_failure}. "
+            "Install a C++ compiler (g++) and ninja, or set performance.cpu_kernels=auto to fall back to "
+            "PyTorch's ops."
+        )
+    return False

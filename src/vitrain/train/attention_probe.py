@@ -7,9 +7,10 @@ table of habits: at model build, a meta-device forward finds each attention laye
 the candidates (SDPA with torch's choice and the explicit matmul path; on CUDA also SDPA pinned to its
 flash, memory-efficient and cuDNN kernels) are timed on one layer of that shape (forward + backward, the
 run's precision policy and batch); the fastest is set on every layer of the shape, and a candidate that
-cannot run there is left out. Results are cached with the other measured choices
-(:mod:`vitrain.train.choices`) under the device as it computes, the precision policy, the fused kernels and
-the shape, so the probe runs once per machine and shape.
+cannot run there is left out. Each layer is converted to the fused CPU kernels where the run's model will be
+(the plan's ``cpu_kernels``: :func:`vitrain.kernels.wanted`). Results are cached with the other measured
+choices (:mod:`vitrain.train.choices`) under the device as it computes, the precision policy, whether the
+fused kernels run and the shape, so the probe runs once per machine and shape.
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def attention_shapes(model: nn.Module, images: torch.Tensor) -> dict[Shape, list
     return shapes
 
 
-def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy) -> float:
+def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy, fused: bool) -> float:
     """Median seconds of one forward + backward of an attention layer of ``shape``, computing as the
-    run's training forward does (its weights' dtype, autocast or not)."""
+    run's training forward does (its weights' dtype, autocast or not; ``fused``: converted to the fused
+    CPU kernels, as the run converts its model)."""
     tokens, width, heads = shape
     device, dtype = policy.device, policy.weights_dtype
     generator = torch.Generator(device=device).manual_seed(0)
     module = Attention(width, heads, impl=impl, device=device, dtype=dtype)
-    if kernels.wanted(device, policy.dtype):  # as the run will convert its model
+    if fused:
         kernels.convert(module)
     x = torch.randn(batch, tokens, width, device=device, dtype=dtype, generator=generator, requires_grad=True)
     context = policy.training_context()
@@ -83,11 +85,11 @@ def time_attention(impl: str, shape: Shape, batch: int, policy: PrecisionPolicy)
     return statistics.median(run(3) for _ in range(3))
 
 
-def _key(shape: Shape, batch: int, policy: PrecisionPolicy) -> str:
+def _key(shape: Shape, batch: int, policy: PrecisionPolicy, fused: bool) -> str:
     tokens, width, heads = shape
-    fused = "fused kernels" if kernels.wanted(policy.device, policy.dtype) else "native ops"
+    ops = "fused kernels" if fused else "native ops"
     return (
-        f"attention | {device_key(policy.device)} | {policy.dtype} {policy.mode}, {fused} | "
+        f"attention | {device_key(policy.device)} | {policy.dtype} {policy.mode}, {ops} | "
         f"batch {batch}, {tokens} tokens, width {width}, {heads} heads"
     )
 
@@ -97,13 +99,13 @@ def candidates(device: str) -> tuple[str, ...]:
     return CUDA_IMPLEMENTATIONS if device.startswith("cuda") else IMPLEMENTATIONS
 
 
-def measure_candidates(shape: Shape, batch: int, policy: PrecisionPolicy) -> dict[str, Any]:
+def measure_candidates(shape: Shape, batch: int, policy: PrecisionPolicy, fused: bool) -> dict[str, Any]:
     """The cache entry of one shape: each candidate's milliseconds per layer step, the fastest as ``impl``;
     a candidate that cannot run at this shape (a pinned SDPA kernel refusing it) under ``unavailable``."""
     seconds, unavailable = {}, {}
     for impl in candidates(policy.device):
         try:
-            seconds[impl] = time_attention(impl, shape, batch, policy)
+            seconds[impl] = time_attention(impl, shape, batch, policy, fused)
         except RuntimeError as error:
             # only a pinned kernel's refusal of the shape; anything else (out of memory, a CUDA fault) is real
             if impl in IMPLEMENTATIONS or not any(words in str(error) for words in NO_KERNEL):
@@ -124,14 +126,19 @@ def _is_complete(entry: dict, device: str) -> bool:
     )
 
 
-def choose_attention(model: nn.Module, images: torch.Tensor, batch: int, policy: PrecisionPolicy) -> dict[Shape, str]:
+def choose_attention(
+    model: nn.Module, images: torch.Tensor, batch: int, policy: PrecisionPolicy, cpu_kernels: str
+) -> dict[Shape, str]:
     """Set the fastest implementation on every attention layer of ``model``; return the choice per shape.
-    ``images``: one input of the run's shape (a meta tensor is enough)."""
+    ``images``: one input of the run's shape (a meta tensor is enough); ``cpu_kernels``: the plan's mode of
+    the fused CPU kernels (``auto``, ``fused``, ``native``), which decides whether the layers timed are
+    converted to them as the run's model will be."""
+    fused = kernels.wanted(policy.device, policy.dtype, cpu_kernels)
     chosen = {}
     for shape, modules in attention_shapes(model, images).items():
         entry, cached = measured_entry(
-            _key(shape, batch, policy),
-            lambda shape=shape: measure_candidates(shape, batch, policy),
+            _key(shape, batch, policy, fused),
+            lambda shape=shape: measure_candidates(shape, batch, policy, fused),
             lambda entry: _is_complete(entry, policy.device),
         )
         chosen[shape] = entry["impl"]

@@ -113,9 +113,10 @@ def build_run(plan: Plan) -> Run:
 
 
 def build_training_step(plan: Plan) -> TrainStep:
-    """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them."""
+    """Stages 1-5: the seeded model, converted and parallelized, its optimizer and the step holding them.
+    The plan's process settings first: the host allocator, and whether the AMX tile kernels may run."""
     configure_host_allocator(plan.runtime.host_allocator)  # before the step's first allocations
-    kernels.set_mode(plan.runtime.cpu_kernels)  # before the model: the attention probe times with it
+    kernels.use_amx_tiles(plan.runtime.amx_tiles)  # before the model: the attention probe times with it
     torch.manual_seed(plan.seed)
     model = build_model_for(plan)  # 1
     _apply_converters(model, plan)  # 2
@@ -168,7 +169,7 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
     if plan.model.choose_attention:  # shapes from a meta-device forward, before materializing
         size = plan.model.image_size
         images = torch.empty(1, plan.model.in_chans, size, size, device="meta")
-        choose_attention(model, images, plan.batch.global_batch, plan.precision)
+        choose_attention(model, images, plan.batch.global_batch, plan.precision, plan.runtime.cpu_kernels)
     model.to_empty(device=device or plan.device)
     model.init_weights()
     return model
@@ -194,11 +195,11 @@ def build_teacher(plan: Plan) -> nn.Module:
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:
     """Stage 2: what changes how the built model computes, applied from outside it: the fused CPU
-    kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU,
-    ``performance.cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
+    kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU, the
+    plan's ``cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
     channels-last weights."""
     policy = plan.precision
-    if kernels.wanted(policy.device, policy.dtype):
+    if kernels.wanted(policy.device, policy.dtype, plan.runtime.cpu_kernels):
         kernels.paths()  # where they will apply: probed once, before any clock
         kernels.convert(model)
     if plan.runtime.channels_last:  # in place: same parameter objects, NHWC strides

@@ -149,16 +149,15 @@ def _key(plan: Plan, found: list[Candidate]) -> str:
 
 @contextlib.contextmanager
 def _quiet_probe():
-    """The candidates' builds log below INFO (their attention probes, ...); RNG streams and the kernels' mode
-    are as they were after the probe, so the run's own build is unchanged by it."""
-    level, rng, mode = log.level, capture_rng_state(), kernels.current_mode()
+    """The candidates' builds log below INFO (their attention probes, ...); RNG streams are as they were
+    after the probe, so the run's own build is unchanged by it."""
+    level, rng = log.level, capture_rng_state()
     log.setLevel(logging.WARNING)
     try:
         yield
     finally:
         log.setLevel(level)
         restore_rng_state(rng)
-        kernels.set_mode(mode)
 
 
 def time_candidate(
@@ -318,6 +317,7 @@ def measure_precision(
     ]
     if len(found) < 2:
         return None
+    kernels.use_amx_tiles(plan.runtime.amx_tiles)  # as each candidate's build sets it: the cache key says so
     entry = None
     if world.is_main or not distributed_active():  # rank 0 measures; a process alone measures for itself
         batch = plan.batch.per_process(plan.batch.global_batch)
