@@ -530,3 +530,14 @@ def test_a_saved_config_in_the_flat_layout_reads_as_the_nested_one():
     assert stored_config(flat) == config
     assert stored_config(saved) == config  # the nested layout as it is
     assert stored_config(old_flat_layout(Config().model_dump(mode="json"))) == Config()
+
+
+def test_performance_amx_off_keeps_the_tiles_off_where_the_machine_has_them():
+    amx = Hardware(cuda_available=False, bf16_supported=True, bf16_emulated=True, amx_tiles=True)
+    bf16 = ["precision=bf16", "precision_mode=autocast", "train.device=cpu"]
+    on = resolve(make_config(*bf16), DATA, amx, model_facts)
+    off = resolve(make_config(*bf16, "performance.amx=off"), DATA, amx, model_facts)
+    assert on.runtime.amx_tiles and not off.runtime.amx_tiles
+    # under autocast only the AMX attention kernel is fused: without the tiles nothing is left to build
+    assert (on.runtime.cpu_kernels, off.runtime.cpu_kernels) == ("auto", "native")
+    assert not resolve(make_config(*bf16), DATA, CPU_BF16, model_facts).runtime.amx_tiles  # no AMX here

@@ -160,7 +160,7 @@ def kernels_can_apply(device: str, precision: str, mode: str, amx_tiles: bool) -
 
 def amx_tiles_for(config: Config, hardware: Hardware) -> bool:
     """Whether the run's kernels may use AMX tiles: the machine allows them and performance.amx is not off."""
-    return hardware.amx_tiles and config.performance.amx != "off"
+    return hardware.amx_tiles and config.performance.amx
 
 
 def _resolve_cpu_kernels(

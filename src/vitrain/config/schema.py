@@ -428,9 +428,9 @@ class PerformanceConfig(Section):
     gradient sums, and more (vitrain/kernels). auto: the run's step is timed with and without them and the
     faster is taken; they are built (first use, cached; needs g++ and ninja) only where bf16 is within their
     reach of the fastest candidate; fused: fail if they cannot be built; native: PyTorch's own ops."""
-    amx: Literal["auto", "off"] = "auto"
-    """vitrain's AMX tile kernels: auto uses them where the CPU has AMX-BF16 (unless the environment sets
-    VITRAIN_AMX=off); off: never (oneDNN's own use of AMX is unaffected)."""
+    amx: bool = True
+    """vitrain's AMX tile kernels where the CPU has AMX-BF16 (unless the environment sets VITRAIN_AMX=off); off
+    (false): never. oneDNN's own use of AMX is unaffected."""
     compile: bool = False
     """torch.compile each block (one graph reused by every block of a shape: compiles faster than the whole
     model). Every shape the run will use (each curriculum stage, accumulation pieces, evaluation; the last
