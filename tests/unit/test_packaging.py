@@ -78,3 +78,45 @@ def test_an_older_torch_stops_the_import_with_the_fix(version, supported):
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("ImportError: vitrain needs torch >= 2.8, and this environment has torch " + version)
         assert "pip install 'torch>=2.8'" in last
+
+
+DISTRIBUTIONS = {"yaml": "pyyaml", "PIL": "pillow"}
+"""Import names whose distribution has another name."""
+
+
+def _module_level_imports(nodes) -> set[str]:
+    """Top-level names of the modules these statements import when their module is imported: imports inside
+    functions and classes, and under ``if TYPE_CHECKING:``, are not run then."""
+    import ast
+
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Try):
+            names |= _module_level_imports([*node.body, *node.orelse, *node.finalbody])
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            names |= _module_level_imports([*node.body, *node.orelse])
+    return names
+
+
+def test_importing_vitrain_needs_only_the_base_dependencies():
+    """`make train` installs the base dependencies alone: a module-level import of an extra's package (DALI,
+    ONNX, the sinks' clients, webdataset, pytest) would break the default run; those are imported where used."""
+    import ast
+    import re
+
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.match(r"[A-Za-z0-9_.-]+", requirement).group().lower() for requirement in project["dependencies"]}
+    allowed = set(sys.stdlib_module_names) | {"vitrain", "__future__"}
+    found = {}
+    for path in sorted((ROOT / "src" / "vitrain").rglob("*.py")):
+        for name in _module_level_imports(ast.parse(path.read_text()).body) - allowed:
+            found.setdefault(DISTRIBUTIONS.get(name, name).lower(), []).append(str(path.relative_to(ROOT)))
+    outside = {name: paths for name, paths in found.items() if name not in base}
+    assert not outside, f"imported at module level but not a base dependency: {outside}"
+    assert {"torch", "pydantic", "pyyaml", "numpy", "pillow", "timm"} <= set(found)  # the scan sees imports
