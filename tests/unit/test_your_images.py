@@ -196,3 +196,18 @@ def test_without_a_budget_the_rung_follows_the_number_of_images(tmp_path):
     assert images_recipe(LADDER[2], 30, 100_000).train.batch_size == LADDER[2].batch_size
     assert images_recipe(LADDER[0], 30, 1000).train.batch_size == 64  # eight steps an epoch at least...
     assert images_recipe(LADDER[0], 30, 100).train.batch_size == 32  # ... but not below 32
+
+
+def test_data_takes_the_source_kind_from_the_path(tmp_path):
+    from vitrain.cli.common import data_source_name
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    assert data_source_name(str(shards)) == "imagefolder"  # empty: an image folder, which resolve() checks
+    (shards / "train-000000.tar").write_bytes(b"")
+    assert data_source_name(str(shards)) == "webdataset"
+    indexed = tmp_path / "indexed"
+    indexed.mkdir()
+    (indexed / "index.json").write_text("{}")
+    assert data_source_name(str(indexed)) == "webdataset"
+    assert data_source_name(str(tmp_path / "list.csv")) == "imagefolder"  # CSV lists are read as image folders

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import shlex
 import shutil
@@ -230,8 +231,9 @@ def _cluster_paths_stood_in(config: Config) -> Iterator[tuple[Config, dict[str, 
     given: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="vitrain-slurm-") as folder:
         for index, key in enumerate(CLUSTER_PATHS):
-            section, name = key.split(".")
-            value = getattr(getattr(config, section), name)
+            *sections, name = key.split(".")
+            holder = functools.reduce(getattr, sections, config)
+            value = getattr(holder, name)
             kind = None if value is None else _stand_in_kind(key, value)
             if kind is None:
                 continue
@@ -241,7 +243,7 @@ def _cluster_paths_stood_in(config: Config) -> Iterator[tuple[Config, dict[str, 
                 stand_in.mkdir()
             else:
                 stand_in.touch()
-            setattr(getattr(config, section), name, str(stand_in))
+            setattr(holder, name, str(stand_in))
             given[str(stand_in)] = str(value)
         yield config, given
 
