@@ -287,7 +287,7 @@ def test_ema_mistakes_name_the_key(small_synthetic_overrides, overrides, message
 
 
 def test_show_config_lists_the_ema_keys(capsys):
-    assert main(["show-config"]) == 0
+    assert main(["show-config", "--raw"]) == 0
     shown = capsys.readouterr().out
     ema = shown[shown.index("  ema:") :]
     assert all(f"    {key}:" in ema for key in ("decay", "warmup", "every_steps", "evaluate"))
