@@ -47,7 +47,7 @@ RUN_FLAGS = {
         "data.root",
         "your images: a folder with a subfolder per class (train/ and val/ inside, or "
         "not: then --val-fraction of them is held out), a folder of `vitrain shard` shards, or a CSV file of "
-        "path,label rows; sets data.root and data.name",
+        "path,label rows (data.name follows from it)",
     ),
     "val_fraction": (
         "F",

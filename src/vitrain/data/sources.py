@@ -158,10 +158,6 @@ def load_fashion_mnist(root: Path, split: str) -> InMemoryDataset:
 # evaluation split is held out of the training images (data.val_fraction, per class, stable).
 
 
-def _split_dir(root: Path, split: str) -> Path:
-    return root / ("train" if split == "train" else "val")
-
-
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
     """``root/<class>/<image>`` -> sorted ``(path, class index)`` pairs and the class names."""
     if classes is None:

@@ -99,16 +99,14 @@ def time_rung(candidate: Config) -> float:
     """Training images a second of ``candidate``'s step at :data:`PROBE_BATCH`, in its unmeasured precision;
     cached per machine and shape (``vitrain.train.choices``), so a second run (or --dry-run, then the run)
     starts at once."""
-    from vitrain.train.choices import device_key, measured_entry
+    from vitrain.train.choices import device_key, measured_entry, model_key
     from vitrain.train.plan import make_plan
     from vitrain.train.precision_choice import probe_config, time_candidate
 
     plan = make_plan(probe_config(candidate, PROBE_BATCH), measure=False)
     model = plan.model
-    options = ", ".join(f"{name}={value}" for name, value in sorted(model.options.items()) if value is not None)
     key = (
-        f"rung | {device_key(plan.device)} | {model.name} ({options}) {model.image_size} px x{model.in_chans}, "
-        f"{model.num_classes} classes | batch {PROBE_BATCH} | {plan.precision.dtype} {plan.precision.mode} | "
+        f"rung | {device_key(plan.device)} | {model_key(model)} | batch {PROBE_BATCH} | {plan.precision.dtype} {plan.precision.mode} | "
         f"{plan.optim.name} {plan.optim.implementation}"
     )
     entry, cached = measured_entry(key, lambda: {"img_s": time_candidate(plan)[0]})

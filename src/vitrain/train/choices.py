@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vitrain import cpu_features
+from vitrain.config import ModelPlan
 from vitrain.io import write_file_atomic
 
 log = logging.getLogger("vitrain")
@@ -45,6 +46,12 @@ def device_key(device: str) -> str:
         name = torch.cuda.get_device_name(index)
         return f"{name} sm{major}{minor} | cuda {torch.version.cuda} | torch {torch.__version__}"
     return cpu_features.cpu_key()
+
+
+def model_key(model: ModelPlan) -> str:
+    """The model as a measurement sees it: name, options set, input shape and classes."""
+    options = ", ".join(f"{name}={value}" for name, value in sorted(model.options.items()) if value is not None)
+    return f"{model.name} ({options}) {model.image_size} px x{model.in_chans}, {model.num_classes} classes"
 
 
 def read_cache(path: Path | None = None) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from vitrain.config.resolve import amx_tiles_for, kernels_can_apply
 from vitrain.models import model_facts
 from vitrain.parallel.distributed import active as distributed_active
 from vitrain.parallel.distributed import broadcast_object
-from vitrain.train.choices import cache_path, device_key, measured_entry
+from vitrain.train.choices import cache_path, device_key, measured_entry, model_key
 from vitrain.train.timing import synchronize, synthetic_batch
 
 log = logging.getLogger("vitrain")
@@ -137,10 +137,8 @@ def probe_config(config: Config, per_process_batch: int) -> Config:
 
 def _key(plan: Plan, found: list[Candidate]) -> str:
     model, optim = plan.model, plan.optim
-    options = ", ".join(f"{name}={value}" for name, value in sorted(model.options.items()) if value is not None)
     return (
-        f"precision | {device_key(plan.device)} | {model.name} ({options}) {model.image_size} px x{model.in_chans}, "
-        f"{model.num_classes} classes | batch {plan.batch.per_process(plan.batch.global_batch)} micro "
+        f"precision | {device_key(plan.device)} | {model_key(model)} | batch {plan.batch.per_process(plan.batch.global_batch)} micro "
         f"{plan.batch.micro_batch} | {optim.name} {optim.implementation}, clip {plan.step.grad_clip} | checkpointing "
         f"{plan.parallel.activation_checkpointing}, channels_last {plan.runtime.channels_last} | candidates "
         f"{', '.join(candidate.label for candidate in found)}"
