@@ -58,7 +58,7 @@ class Sizes:
     bench_timeout: int = 60
     ladder_timeout: int = 150
     speed_timeout: int = 150
-    autotune_timeout: int = 300
+    decode_images: int = 1024
 
 
 TINY = Sizes(
@@ -76,7 +76,7 @@ TINY = Sizes(
     bench_timeout=120,
     ladder_timeout=240,
     speed_timeout=120,
-    autotune_timeout=120,
+    decode_images=16,
 )
 
 # (name, vitrain model, extra bench flags)
@@ -153,21 +153,32 @@ def bench_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     return stages
 
 
-# (name, batch multiple of Sizes.batch, extra bench flags) of the speed sweep; ATTENTION is the device's
-# pinned kernel under test (cuDNN's on CUDA)
+# The speed sweep, in the order it runs (what the deadline cuts is the last): (name, model, batch as a
+# multiple of Sizes.batch, extra bench flags). Every row is bf16 O2 + compile unless its flags say fp8; each
+# model's first row is timed against timm compiled in the same process; all rows are profiled after their
+# timed windows. ATTENTION is the device's pinned kernel under test (cuDNN's on CUDA).
 ATTENTION = "{attention}"
+FP8 = ["--precision", "fp8"]
+ROWWISE = [*FP8, "--set", "performance.fp8_scaling=rowwise"]
+AUTO = ["--set", "model.attn_impl=auto"]
 SPEED = [
-    ("speed-sdpa", 1, ["--set", "model.attn_impl=sdpa", "--compare-timm", "--timm-eager"]),
-    ("speed-pinned", 1, ["--set", f"model.attn_impl={ATTENTION}"]),
-    ("speed-auto", 1, ["--set", "model.attn_impl=auto"]),
-    ("speed-auto-b2x", 2, ["--set", "model.attn_impl=auto"]),
-    # last: it compiles longest, and what the deadline leaves it is what it gets
-    ("speed-autotune", 1, ["--set", "model.attn_impl=auto", "--compile-mode", "max-autotune-no-cudagraphs"]),
+    ("speed-bf16", "vit_base_patch16", 1, [*AUTO, "--compare-timm", "--timm-eager"]),
+    ("speed-fp8", "vit_base_patch16", 1, [*AUTO, *FP8]),
+    ("speed-fp8-rowwise", "vit_base_patch16", 1, [*AUTO, *ROWWISE]),
+    ("speed-bf16-b2x", "vit_base_patch16", 2, AUTO),
+    ("speed-fp8-b2x", "vit_base_patch16", 2, [*AUTO, *FP8]),
+    ("vitl-bf16", "vit_large_patch16", 0.5, [*AUTO, "--compare-timm"]),
+    ("vitl-fp8", "vit_large_patch16", 0.5, [*AUTO, *FP8]),
+    ("volo-bf16", "volo_d1", 0.5, ["--compare-timm"]),
+    ("volo-fp8", "volo_d1", 0.5, FP8),
+    ("speed-sdpa", "vit_base_patch16", 1, ["--set", "model.attn_impl=sdpa"]),
+    ("speed-pinned", "vit_base_patch16", 1, ["--set", f"model.attn_impl={ATTENTION}"]),
 ]
 
 
 def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
-    """The speed sweep: ViT-B/16 in bf16 O2, compiled whole, one setting changed per row."""
+    """The speed sweep: bf16 O2 against FP8, compiled whole, for ViT-B/16 (two batches, both FP8 scalings),
+    ViT-L/16 and VOLO-D1; then the attention kernels pinned; then JPEG decode on the device."""
     common = ["--image-size", str(sizes.image_size), "--precision", "bf16", "--precision-mode", "o2"]
     common += ["--set", f"train.device={device}", "--compile", "--compile-backend", sizes.compile_backend]
     if device == "cpu":
@@ -175,11 +186,14 @@ def speed_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
     common += window_flags(sizes)
     attention = "sdpa_cudnn" if device == "cuda" else "sdpa_math"
     stages = []
-    for name, multiple, extra in SPEED:
+    for name, model, multiple, extra in SPEED:
         flags = [flag.replace(ATTENTION, attention) for flag in extra]
-        argv = vitrain_command("bench", "--model", "vit_base_patch16", "--batch", str(multiple * sizes.batch))
-        timeout = sizes.autotune_timeout if "--compile-mode" in flags else sizes.speed_timeout
-        stages.append(Stage(name, [*argv, *common, *flags, "--json", str(out / f"{name}.json")], timeout))
+        batch = max(1, int(multiple * sizes.batch))
+        argv = vitrain_command("bench", "--model", model, "--batch", str(batch), *common, *flags)
+        stages.append(Stage(name, [*argv, "--json", str(out / f"{name}.json")], sizes.speed_timeout))
+    decode = [sys.executable, str(ROOT / "experiments" / "decode_throughput.py"), "--device", device]
+    decode += ["--images", str(sizes.decode_images), "--json", str(out / "decode.json")]
+    stages.append(Stage("decode", decode, sizes.bench_timeout))
     return stages
 
 
@@ -280,23 +294,67 @@ def ladder_rows(out: Path) -> list[str]:
     return rows
 
 
+def timm_rates(out: Path) -> dict[str, dict[str, float]]:
+    """Per model, timm's img/s at each batch it was timed at in this sweep (compiled, same process as that row)."""
+    rates: dict[str, dict[str, float]] = {}
+    for name, model, _, _ in SPEED:
+        timm = (read_json(out / f"{name}.json") or {}).get("timm") or {}
+        if timm.get("img_s_median"):
+            rates.setdefault(model, {})[str(timm.get("batch"))] = timm["img_s_median"]
+    return rates
+
+
 def speed_rows(out: Path) -> list[str]:
+    """One row per sweep setting: img/s, MFU (FP8 rows: against the FLOP-weighted peak, and bf16-equivalent),
+    and the ratio to timm compiled at the same model and batch, timed in this sweep."""
     rows = [
-        "| row | batch | attention | compile mode | img/s | MFU | peak GiB | vs timm compiled | vs timm eager |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | model | batch | precision | attention | img/s | MFU | MFU bf16-equivalent | peak GiB | "
+        "vs timm compiled | vs timm eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, _, _ in SPEED:
+    timm = timm_rates(out)
+    for name, model, _, _ in SPEED:
         result = read_json(out / f"{name}.json")
         if result is None:
-            rows.append(f"| {name} | - | no result (see {name}.log) | | | | | | |")
+            rows.append(f"| {name} | {model} | - | no result (see {name}.log) | | | | | | | |")
             continue
         mfu, memory = mfu_and_memory(result)
-        ratios = [f"{result[key]:.3f}" if key in result else "-" for key in ("ours_over_timm", "ours_over_timm_eager")]
+        equivalent = result.get("mfu_bf16_equivalent", result.get("mfu"))
+        equivalent = f"{100 * equivalent:.1f} %" if equivalent is not None else "-"
+        reference = timm.get(model, {}).get(str(result["batch"]))
+        ratio = f"{result['img_s_median'] / reference:.3f}" if reference else "-"
+        eager = f"{result['ours_over_timm_eager']:.3f}" if "ours_over_timm_eager" in result else "-"
         rows.append(
-            f"| {name} | {result['batch']} | {result.get('attn_impl')} | {result.get('compile_mode')} | "
-            f"{result['img_s_median']:.1f} | {mfu} | {memory} | {' | '.join(ratios)} |"
+            f"| {name} | {model} | {result['batch']} | {result.get('precision')} {result.get('precision_mode', '')} | "
+            f"{result.get('attn_impl')} | {result['img_s_median']:.1f} | {mfu} | {equivalent} | {memory} | "
+            f"{ratio} | {eager} |"
         )
     return rows
+
+
+def top_kernel_rows(out: Path, names: tuple[str, ...] = ("speed-bf16", "speed-fp8"), count: int = 12) -> list[str]:
+    """The profile's top kernels (GPU) or operators (CPU) by time of the named rows, and of timm's."""
+    lines = []
+    for name in names:
+        result = read_json(out / f"{name}.json") or {}
+        for label, record in (("vitrain", result), ("timm", result.get("timm"))):
+            top = ((record or {}).get("step_breakdown") or {}).get("top")
+            if not top:
+                continue
+            lines += [f"### {name} {label}", "", "| kernel | category | ms/step | calls/step |", "|---|---|---|---|"]
+            lines += [
+                f"| `{row['name'][:90]}` | {row['category']} | {row['ms']:.2f} | {row['calls']:.0f} |"
+                for row in top[:count]
+            ]
+            lines.append("")
+    return lines or ["no profile (see the bench logs)"]
+
+
+def decode_rows(out: Path) -> list[str]:
+    result = read_json(out / "decode.json")
+    if result is None:
+        return ["no decode result (see decode.log)"]
+    return [f"- {row['name']}: {row['img_s']:.0f} img/s ({row['detail']})" for row in result["rows"]]
 
 
 def breakdown_rows(out: Path, names: list[str]) -> list[str]:
@@ -353,9 +411,10 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
         *(f"| {stage.name} | {stage.status} | {stage.seconds:.1f} |" for stage in stages),
         "",
     ]
-    breakdown_names = [name for name, _, _ in SPEED] if speed else [f"bench-{name}" for name, _, _ in MODELS]
+    breakdown_names = [row[0] for row in SPEED] if speed else [f"bench-{name}" for name, _, _ in MODELS]
     if speed:
-        lines += ["## Speed sweep, ViT-B/16, bf16 O2, compiled (synthetic data)", "", *speed_rows(out), ""]
+        lines += ["## Speed sweep: bf16 O2 and FP8, compiled (synthetic data)", "", *speed_rows(out), ""]
+        lines += ["## JPEG decode on the device", "", *decode_rows(out), ""]
     else:
         lines += [
             f"gpu tests: {counts}" if counts else "gpu tests: no JUnit report",
@@ -370,6 +429,8 @@ def write_summary(out: Path, stages: list[Stage], device: str, command: str) -> 
             "",
         ]
     lines += ["## Where the step goes (`vitrain bench --profile`)", "", *breakdown_rows(out, breakdown_names), ""]
+    if speed:
+        lines += ["## Top kernels of the profiled steps", "", *top_kernel_rows(out)]
     if doctor:
         lines += ["## doctor", "", "```", json.dumps(doctor, indent=1)[:6000], "```", ""]
     path = out / "summary.md"

@@ -197,7 +197,8 @@ def old_flat_layout(saved: dict) -> dict:
             holder = holder.get(part, {})
         if new_key in holder:
             flat.setdefault(section, {})[key] = holder.pop(new_key)
-    flat.get("performance", {}).pop("amx", None)  # newer than the flat layout
+    for newer in ("amx", "fp8_scaling"):  # newer than the flat layout
+        flat.get("performance", {}).pop(newer, None)
     for empty in ("performance", "token_labels"):
         assert flat.pop(empty, {}) == {}
     assert flat.get("train", {}).pop("ema", {}) == {}

@@ -15,7 +15,9 @@ def detect_hardware(device: str = "auto") -> Hardware:
 
     cuda = torch.cuda.is_available()
     if cuda and device != "cpu":
-        return Hardware(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported())
+        index = torch.device(device).index if device.startswith("cuda") else None
+        capability = tuple(torch.cuda.get_device_capability(index))
+        return Hardware(cuda_available=cuda, bf16_supported=torch.cuda.is_bf16_supported(), cuda_capability=capability)
     try:
         cpu_features.amx_allowed_by_environment()
     except ValueError as error:

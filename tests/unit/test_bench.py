@@ -192,11 +192,11 @@ def test_mfu_above_one_is_refused_with_a_reason(monkeypatch):
     plan, settings = _plan("vit_tiny6_patch7", 14, 4)
     times = throughput.StepTimes(warmup_s=1.0, first_step_s=0.5, window_s=(0.1,), final_loss=2.0)
     memory = PeakMemory("cpu")
-    monkeypatch.setattr(throughput, "peak_flops", lambda device, precision: PeakFlops(1e-9, "a tiny peak"))
+    monkeypatch.setattr(throughput, "run_peaks", lambda plan: (PeakFlops(1e-9, "a tiny peak"), None))
     record = throughput.throughput_record(plan, times, settings, 1_000_000, memory)
     assert record["img_s_median"] == pytest.approx(40.0) and record["step_ms_median"] == pytest.approx(100.0)
     assert record["mfu"] is None and "exceeds the peak" in record["mfu_reason"]
-    monkeypatch.setattr(throughput, "peak_flops", lambda device, precision: PeakFlops(None, "no figure"))
+    monkeypatch.setattr(throughput, "run_peaks", lambda plan: (PeakFlops(None, "no figure"), None))
     record = throughput.throughput_record(plan, times, settings, 1_000_000, memory)
     assert record["mfu"] is None and record["mfu_reason"] == "no figure"
 

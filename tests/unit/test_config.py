@@ -150,7 +150,7 @@ def test_out_dir_template_is_filled():
         (["modle.name=x"], "modle", "did you mean 'model'"),
         (["train.batch_size=lots"], "train.batch_size", "integer"),
         (["data.scale=[0.9, 0.1]"], "data.scale", "low <= high"),
-        (["precision=fp8"], "precision", "fp32"),
+        (["precision=fp4"], "precision", "fp32"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key, fix):

@@ -10,7 +10,7 @@ from tests.conftest import make_config
 from vitrain.metrics import ThroughputMeter, read_jsonl
 from vitrain.metrics.peak import PeakFlops
 from vitrain.models.flops import model_flops
-from vitrain.train import build_model_for, loop, make_plan, train
+from vitrain.train import build, build_model_for, make_plan, train
 
 SECONDS_PER_STEP = 0.25
 PEAK_TFLOPS = 0.1
@@ -20,11 +20,11 @@ def _fix_peak(monkeypatch, tflops: float | None) -> list[tuple[str, str]]:
     """The device peak the loop looks up, fixed; returns the lookups it made."""
     asked = []
 
-    def fixed_peak(device: str, precision: str) -> PeakFlops:
+    def fixed_peak(device: str, precision: str, fp8_share: float = 0.0) -> PeakFlops:
         asked.append((device, precision))
         return PeakFlops(tflops, "a fixed test peak" if tflops else "no peak for this device")
 
-    monkeypatch.setattr(loop, "peak_flops", fixed_peak)
+    monkeypatch.setattr(build, "peak_flops", fixed_peak)
     return asked
 
 

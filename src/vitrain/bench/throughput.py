@@ -29,14 +29,13 @@ from torch.profiler import ProfilerActivity, profile
 from vitrain.bench.breakdown import format_breakdown, profile_breakdown
 from vitrain.bench.memory import PeakMemory
 from vitrain.config import ConfigError, Plan
-from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.records import run_environment
 from vitrain.metrics.utilization import achieved_tflops, training_flops, utilization
 from vitrain.models import num_parameters
 from vitrain.models.flops import model_flops
 from vitrain.parallel.parallelize import compile_mode_argument
 from vitrain.train.attention_probe import attention_impl
-from vitrain.train.build import build_training_step
+from vitrain.train.build import build_training_step, run_peaks
 from vitrain.train.summary import describe_precision
 from vitrain.train.timing import synchronize, synthetic_batch
 
@@ -159,8 +158,9 @@ def throughput_record(
     train_flops_per_step = training_flops(flops_per_image, batch)
     img_s_median = statistics.median(rates)
     tflops = achieved_tflops(training_flops(flops_per_image, 1) * img_s_median) / devices  # per device
-    peak = peak_flops(plan.device, plan.precision.dtype)
+    peak, bf16_peak = run_peaks(plan)
     mfu, mfu_reason = utilization(tflops, peak)
+    bf16_equivalent = {} if bf16_peak is None else {"mfu_bf16_equivalent": utilization(tflops, bf16_peak)[0]}
     return {
         "world_size": devices,
         "img_s_median": img_s_median,
@@ -178,6 +178,7 @@ def throughput_record(
         "peak_source": peak.source,
         "mfu": mfu,
         "mfu_reason": mfu_reason,
+        **bf16_equivalent,
         "peak_memory_bytes": memory.bytes,
         "peak_memory_source": memory.source,
         "peak_memory_reason": memory.reason,
@@ -189,7 +190,7 @@ def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
     return {
         "image_size": plan.model.image_size,
         "batch": plan.batch.global_batch,
-        "precision": plan.precision.dtype,
+        "precision": plan.precision.name,
         "compile": settings.compile,
         "compile_mode": settings.compile_mode if settings.compile else None,
         "steps": settings.steps,

@@ -38,7 +38,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--model", required=True, help="registered model (see list-models)")
     bench.add_argument("--image-size", type=int, required=True, help="input side in pixels")
     bench.add_argument("--batch", type=int, required=True, help="images per step")
-    bench.add_argument("--precision", required=True, choices=["fp32", "bf16", "fp16"])
+    bench.add_argument("--precision", required=True, choices=["fp32", "bf16", "fp16", "fp8"])
     bench.add_argument(
         "--precision-mode", choices=["autocast", "o2", "full"], help="default: the recipe's; autocast without --recipe"
     )

@@ -72,7 +72,7 @@ def resolved_config(plan) -> Config:
     run folder."""
     config = plan.config.model_copy(deep=True)
     config.train.device, config.train.out_dir = plan.device, str(plan.out_dir)
-    config.precision, config.precision_mode = plan.precision.dtype, plan.precision.mode
+    config.precision, config.precision_mode = plan.precision.name, plan.precision.mode
     config.performance.cpu_kernels = plan.runtime.cpu_kernels
     return config
 
@@ -88,7 +88,7 @@ def run_comments(plan) -> list[str]:
     else:
         length = f"{schedule.run_length / schedule.num_train:.2f} epochs ({schedule.run_length:,.0f} images)"
     return [
-        f"runs on {plan.device} in {plan.precision.dtype} {plan.precision.mode}{measured}",
+        f"runs on {plan.device} in {plan.precision.name} {plan.precision.mode}{measured}",
         f"lr {schedule.lr:.4g}: optim.lr {optim.lr:g} x batch {plan.batch.global_batch} / optim.reference_batch "
         f"{optim.reference_batch}",
         f"length: {length}; {schedule.steps_per_epoch} steps an epoch over {schedule.num_train} images",

@@ -108,6 +108,8 @@ class Hardware:
     """bf16 still runs, converted in software (any CPU): allowed when asked for or measured faster."""
     amx_tiles: bool = False
     """The CPU has AMX-BF16 tiles vitrain's kernels may use (the environment's ``VITRAIN_AMX`` not off)."""
+    cuda_capability: tuple[int, int] | None = None
+    """The CUDA device's compute capability (None on a CPU): FP8 tensor cores from 8.9."""
 
 
 @dataclasses.dataclass(frozen=True)

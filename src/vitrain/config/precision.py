@@ -40,6 +40,14 @@ class PrecisionPolicy:
     """The training forward runs under autocast (precision_mode=autocast in bf16/fp16)."""
     loss_scaling: bool
     """Dynamic loss scaling (fp16: its exponent range is too narrow for small gradients)."""
+    fp8_scaling: str | None = None
+    """precision=fp8: the blocks' linear layers compute in FP8 with this scaling (tensorwise, rowwise), the
+    rest as bf16 (``dtype`` is then bf16); None: no FP8."""
+
+    @property
+    def name(self) -> str:
+        """The precision as the user names it: fp8 for bf16 with FP8 linear layers, else :attr:`dtype`."""
+        return "fp8" if self.fp8_scaling else self.dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:

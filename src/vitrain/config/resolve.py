@@ -127,6 +127,9 @@ def resolve_device(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+FP8_CAPABILITY = (8, 9)
+
+
 def auto_precision(hardware: Hardware) -> str:
     """``precision=auto`` where nothing was measured (``resolve()`` called without :class:`MeasuredPrecision`):
     bf16 where the device computes it natively, else fp32. Runs measure instead (``make_plan``)."""
@@ -141,15 +144,31 @@ def _resolve_precision(config: Config, hardware: Hardware, measured: MeasuredPre
         precision = measured.precision if measured is not None else auto_precision(hardware)
     else:
         require(
-            requested != "bf16" or hardware.bf16_supported or hardware.bf16_emulated,
-            "precision=bf16 is not supported by this device; use precision=fp32 (or auto)",
+            requested not in ("bf16", "fp8") or hardware.bf16_supported or hardware.bf16_emulated,
+            f"precision={requested} is not supported by this device; use precision=fp32 (or auto)",
         )
+        if requested == "fp8":
+            _check_fp8(hardware)
         precision = requested
     if precision == "fp32":
         return precision, "autocast"  # every mode computes alike in fp32
     if mode == "auto":
         mode = measured.mode if measured is not None and measured.precision == precision else "autocast"
     return precision, mode
+
+
+def _check_fp8(hardware: Hardware) -> None:
+    """precision=fp8 needs torchao, and on CUDA FP8 tensor cores (a CPU emulates them)."""
+    require(
+        importlib.util.find_spec("torchao") is not None,
+        "precision=fp8 needs torchao; pip install 'vitrain[fp8]' (or use precision=bf16)",
+    )
+    capability = hardware.cuda_capability
+    require(
+        capability is None or tuple(capability) >= FP8_CAPABILITY,
+        f"precision=fp8 needs FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); "
+        f"this GPU has {'.'.join(map(str, capability or ()))}; use precision=bf16",
+    )
 
 
 def kernels_can_apply(device: str, precision: str, mode: str, amx_tiles: bool) -> bool:
@@ -400,11 +419,17 @@ def _check_batches_split(batch: int, eval_batch: int, stages: tuple[Stage, ...],
         )
 
 
-def precision_policy(precision: str, mode: str, device: str, fsdp: bool = False) -> PrecisionPolicy:
+def precision_policy(
+    precision: str, mode: str, device: str, fsdp: bool = False, fp8_scaling: str = "tensorwise"
+) -> PrecisionPolicy:
     """How a run computes, decided here alone from the resolved ``precision``, ``precision_mode`` and
-    whether FSDP2 shards the model (its mixed-precision policy is then O2's low-precision compute)."""
+    whether FSDP2 shards the model (its mixed-precision policy is then O2's low-precision compute).
+    fp8 is bf16 with FP8 linear layers of ``fp8_scaling``."""
     from vitrain.config.precision import PrecisionPolicy
 
+    if precision == "fp8":
+        bf16 = precision_policy("bf16", mode, device, fsdp)
+        return dataclasses.replace(bf16, fp8_scaling=fp8_scaling)
     low = precision != "fp32"
     mode = mode if low else "autocast"  # fp32: every mode computes alike
     if not low or mode == "autocast":
@@ -627,7 +652,7 @@ def resolve(
         world=world,
         model=_model_plan(config, data, patch, facts),
         batch=batch,
-        precision=precision_policy(precision, mode, device, parallel.fsdp),
+        precision=precision_policy(precision, mode, device, parallel.fsdp, config.performance.fp8_scaling),
         parallel=parallel,
         optim=_optimizer_plan(config, lr),
         schedule=schedule,

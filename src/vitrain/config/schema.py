@@ -419,6 +419,9 @@ class PerformanceConfig(Section):
     channels_last: bool = False
     """NHWC memory format for the model's convolution weights and its input images (cuDNN and oneDNN
     convolutions run faster on it: ResNet, VOLO; ViT has one convolution, the patch embedding)."""
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """precision=fp8: the scale of each FP8 cast, one per tensor (tensorwise: fastest) or one per row
+    (rowwise: closer to bf16 where rows differ in range)."""
     host_allocator: Literal["cached", "system"] = "cached"
     """CPU memory: cached keeps freed memory in the process for reuse (glibc: no mmap per large tensor,
     no trimming), so a step's tensors stop page-faulting in fresh pages (docs/benchmarks.md, "What each
@@ -531,11 +534,14 @@ class Config(BaseModel):
 
     recipe: str = "custom"
     """Name of the recipe this config came from."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     """Compute precision: fp32, or bf16/fp16 (fp16 with loss scaling). auto: the run's own training step is
     timed in fp32 and in bf16 (where the device has bf16) before it starts, and the faster is taken (cached per
     machine and model shape; vitrain.train.precision_choice). bf16 asked for on a CPU without native bf16
-    (AVX512-BF16 or AMX) runs emulated: correct, slower than fp32."""
+    (AVX512-BF16 or AMX) runs emulated: correct, slower than fp32. fp8: bf16, with the linear layers of the
+    blocks (qkv, proj, fc1, fc2; not the patch embedding or the head) in FP8 through torchao's float8
+    training (performance.fp8_scaling; pip install 'vitrain[fp8]'); GPUs of compute capability 8.9+ (Ada,
+    Hopper, Blackwell); on a CPU torchao emulates it (slow: for tests)."""
     precision_mode: Literal["auto", "autocast", "o2", "full"] = "autocast"
     """autocast: fp32 weights cast per op (O1); o2: a bf16/fp16 copy of the model computes, fp32 master
     weights are updated; full: weights, gradients and optimizer state all in bf16/fp16, no master copy

@@ -138,7 +138,7 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     MatmulAttentionCore: FusedMatmulAttention,
     Blocks: ChainedBlocks,
 }
-_LINEAR_OWNERS = (Attention, Mlp, LocalityMlp, OutlookAttention, ClassAttention)
+LINEAR_OWNERS = (Attention, Mlp, LocalityMlp, OutlookAttention, ClassAttention)
 """Modules whose linear layers run ``vitrain::linear`` (classifier heads and SE gates keep ``F.linear``)."""
 _DEPTHWISE_OWNERS = {LocalityMlp: "conv", LocalViTMlp: "depthwise"}
 
@@ -154,7 +154,7 @@ def convert(model: nn.Module) -> int:
     swapped = 0
     for module in list(model.modules()):
         owner = type(module)
-        if isinstance(module, _LINEAR_OWNERS):
+        if isinstance(module, LINEAR_OWNERS):
             for child in module.children():
                 if type(child) is nn.Linear:
                     _swap(child, FusedLinear)

@@ -37,8 +37,10 @@ class ThroughputMeter:
     denominator (None: no MFU, as on processes that write no metrics); ``devices``: the processes of the job
     (``tflops`` is the job's, MFU per device); ``device``: where peak memory is read."""
 
-    def __init__(self, device: str, devices: int = 1, peak: PeakFlops | None = None):
-        self.devices, self.peak = devices, peak
+    def __init__(
+        self, device: str, devices: int = 1, peak: PeakFlops | None = None, bf16_peak: PeakFlops | None = None
+    ):
+        self.devices, self.peak, self.bf16_peak = devices, peak, bf16_peak
         self.memory = WindowPeakMemory(device)
         self.forward_flops = 0
         """Analytic forward FLOPs per image at the current image size (0: unknown, no TFLOP/s)."""
@@ -111,7 +113,15 @@ class ThroughputMeter:
             "mfu_peak_tflops": self.peak.tflops if self.peak is not None else None,
             "mfu_peak_source": self.peak.source if self.peak is not None else None,
             "peak_mem_gib": self.peak_mem_gib,
+            **self.bf16_equivalent(tflops),
         }
+
+    def bf16_equivalent(self, tflops: float | None) -> dict[str, float | None]:
+        """precision=fp8: MFU against the bf16 peak as well (``mean_mfu_bf16_equivalent``); else nothing."""
+        if self.bf16_peak is None:
+            return {}
+        mfu = None if tflops is None else utilization(tflops / self.devices, self.bf16_peak)[0]
+        return {"mean_mfu_bf16_equivalent": mfu}
 
     def session_reads(self, reads: ReadCounts | None) -> dict[str, float | None]:
         """``mean_read_mb_s`` and ``mean_files_s`` of the session's training seconds (None for in-memory data,

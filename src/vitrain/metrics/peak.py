@@ -30,7 +30,7 @@ class PeakFlops:
 
 @dataclasses.dataclass(frozen=True)
 class GpuPeaks:
-    """Dense TFLOP/s of one GPU model per matmul dtype (fp32, tf32, bf16, fp16)."""
+    """Dense TFLOP/s of one GPU model per matmul dtype (fp32, tf32, bf16, fp16, fp8)."""
 
     pattern: str
     """Regular expression searched (case-insensitively) in ``torch.cuda.get_device_name()``."""
@@ -44,37 +44,37 @@ CUDA_PEAKS: tuple[GpuPeaks, ...] = (
     GpuPeaks(
         r"GH200",
         "GH200",
-        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         "NVIDIA GH200 Grace Hopper Superchip datasheet (H100 SXM compute)",
     ),
     GpuPeaks(
         r"H100.*PCIe",
         "H100 PCIe",
-        {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+        {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
         "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"H100.*NVL",
         "H100 NVL",
-        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
         "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"H100",
         "H100 SXM",
-        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"H200.*NVL",
         "H200 NVL",
-        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
         "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"H200",
         "H200 SXM",
-        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense = sparse / 2)",
     ),
     GpuPeaks(
@@ -86,19 +86,19 @@ CUDA_PEAKS: tuple[GpuPeaks, ...] = (
     GpuPeaks(
         r"L40S",
         "L40S",
-        {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
+        {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0},
         "NVIDIA L40S GPU datasheet (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"\bL40\b",
         "L40",
-        {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0},
+        {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0, "fp8": 362.0},
         "NVIDIA L40 GPU datasheet (dense = sparse / 2)",
     ),
     GpuPeaks(
         r"\bL4\b",
         "L4",
-        {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+        {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5},
         "NVIDIA L4 Tensor Core GPU datasheet (dense = sparse / 2)",
     ),
     GpuPeaks(
@@ -208,12 +208,30 @@ def cpu_best_peak() -> PeakFlops:
     )
 
 
-def peak_flops(device: str, precision: str) -> PeakFlops:
+def fp8_weighted_peak(bf16: PeakFlops, fp8: PeakFlops, fp8_share: float) -> PeakFlops:
+    """The peak of a step whose ``fp8_share`` of FLOPs run at the FP8 peak and the rest at the bf16 one: the
+    time each part takes at its peak, summed (a FLOP-weighted harmonic mean). MFU against it is the share of
+    the device's peak the step reaches, FP8 counted at FP8's rate."""
+    if not (bf16.tflops and fp8.tflops):
+        return fp8 if not fp8.tflops else bf16
+    tflops = 1.0 / ((1.0 - fp8_share) / bf16.tflops + fp8_share / fp8.tflops)
+    return PeakFlops(
+        tflops,
+        f"FLOP-weighted: {100 * fp8_share:.1f} % of the FLOPs at {fp8.tflops:.4g} ({fp8.source}), "
+        f"the rest at {bf16.tflops:.4g} ({bf16.source})",
+    )
+
+
+def peak_flops(device: str, precision: str, fp8_share: float = 0.0) -> PeakFlops:
     """MFU's denominator on ``device`` (cpu, cuda, cuda:N) for a run in ``precision``: the datasheet peak of the
-    precision on CUDA; on a CPU the best measured peak of any precision it trains in (:func:`cpu_best_peak`)."""
-    if device.startswith("cuda"):
-        return cuda_peak(torch.cuda.get_device_name(torch.device(device)), precision)
-    return cpu_best_peak()
+    precision on CUDA (fp8: :func:`fp8_weighted_peak` with ``fp8_share`` of the FLOPs in FP8); on a CPU the
+    best measured peak of any precision it trains in (:func:`cpu_best_peak`; its FP8 is emulated in bf16)."""
+    if not device.startswith("cuda"):
+        return cpu_best_peak()
+    name = torch.cuda.get_device_name(torch.device(device))
+    if precision != "fp8":
+        return cuda_peak(name, precision)
+    return fp8_weighted_peak(cuda_peak(name, "bf16"), cuda_peak(name, "fp8"), fp8_share)
 
 
 __all__ = [
@@ -225,6 +243,7 @@ __all__ = [
     "cuda_matmul_dtype",
     "cuda_peak",
     "find_gpu_peaks",
+    "fp8_weighted_peak",
     "measure_cpu_peak",
     "peak_flops",
 ]

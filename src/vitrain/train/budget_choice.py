@@ -106,7 +106,7 @@ def time_rung(candidate: Config) -> float:
     plan = make_plan(probe_config(candidate, PROBE_BATCH), measure=False)
     model = plan.model
     key = (
-        f"rung | {device_key(plan.device)} | {model_key(model)} | batch {PROBE_BATCH} | {plan.precision.dtype} {plan.precision.mode} | "
+        f"rung | {device_key(plan.device)} | {model_key(model)} | batch {PROBE_BATCH} | {plan.precision.name} {plan.precision.mode} | "
         f"{plan.optim.name} {plan.optim.implementation}"
     )
     entry, cached = measured_entry(key, lambda: {"img_s": time_candidate(plan)[0]})

@@ -44,7 +44,10 @@ from vitrain.data import Normalize, build_loaders
 from vitrain.data.mixing import BatchMixer, build_mixer
 from vitrain.data.sources import held_out_split, image_folder_root, image_folder_samples
 from vitrain.io import write_file_atomic
+from vitrain.kernels import float8
+from vitrain.metrics.peak import PeakFlops, peak_flops
 from vitrain.models import build_model, load_pretrained
+from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, holds_dtensors
 from vitrain.parallel.parallelize import parallelize
 from vitrain.seeds import derive_seed
@@ -175,6 +178,19 @@ def build_model_for(plan: Plan, device: str | torch.device | None = None) -> nn.
     return model
 
 
+def run_peaks(plan: Plan) -> tuple[PeakFlops, PeakFlops | None]:
+    """MFU's denominator for the plan's run, and for precision=fp8 the bf16 peak that its "bf16-equivalent"
+    MFU divides by (else None). FP8 runs weigh the FP8 and bf16 peaks by the share of FLOPs in FP8, counted
+    on a meta-device copy of the model (:func:`vitrain.kernels.float8.fp8_flop_share`)."""
+    policy = plan.precision
+    if not policy.fp8_scaling:
+        return peak_flops(plan.device, policy.dtype), None
+    model = build_model(plan.model.name, device="meta", **plan.model.arguments)
+    size = plan.model.image_size
+    share = float8.fp8_flop_share(model, size, plan.model.in_chans, model_flops(model, size))
+    return peak_flops(plan.device, "fp8", share), peak_flops(plan.device, "bf16")
+
+
 def build_teacher(plan: Plan) -> nn.Module:
     """The frozen distillation teacher of ``train.distill.teacher``, whole on this process's device; a source that
     cannot be loaded or does not fit the data (classes, channels, every stage's image size) is a ConfigError."""
@@ -194,12 +210,16 @@ def build_teacher(plan: Plan) -> nn.Module:
 
 
 def _apply_converters(model: nn.Module, plan: Plan) -> None:
-    """Stage 2: what changes how the built model computes, applied from outside it: the fused CPU
+    """Stage 2: what changes how the built model computes, applied from outside it: FP8 linear layers
+    (precision=fp8: :func:`vitrain.kernels.float8.convert`), else the fused CPU
     kernels (:func:`vitrain.kernels.convert`, where :func:`vitrain.kernels.wanted`: bf16 on CPU, the
     plan's ``cpu_kernels`` not ``native``, the extension built or loaded before any clock) and
     channels-last weights."""
     policy = plan.precision
-    if kernels.wanted(policy.device, policy.dtype, plan.runtime.cpu_kernels):
+    if policy.fp8_scaling:  # FP8 linears (torchao); emulated where the device has no FP8 tensor cores
+        names = float8.convert(model, policy.fp8_scaling, emulate=not policy.device.startswith("cuda"))
+        log.info("precision fp8 (%s scaling): %d linear layers in FP8", policy.fp8_scaling, len(names))
+    elif kernels.wanted(policy.device, policy.dtype, plan.runtime.cpu_kernels):
         kernels.paths()  # where they will apply: probed once, before any clock
         kernels.convert(model)
     if plan.runtime.channels_last:  # in place: same parameter objects, NHWC strides

@@ -22,11 +22,11 @@ from vitrain.checkpoint import find_latest_checkpoint, find_resume_checkpoint, l
 from vitrain.config import Plan, Stage
 from vitrain.data.mixing import mixing_generator
 from vitrain.metrics import MetricsSinks, NullWriter, ThroughputMeter, build_metrics_sinks
-from vitrain.metrics.peak import peak_flops
 from vitrain.metrics.profiling import StepProfiler
 from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
+    run_peaks,
     Run,
     apply_init_from,
     build_run,
@@ -69,10 +69,10 @@ class Trainer:
         self.stage: Stage | None = None
         self.last_eval_step = self.last_checkpoint_step = -1
         # rank 0 alone writes metrics: the others skip the CPU's matmul probe
-        peak = peak_flops(self.plan.device, self.plan.precision.dtype) if self.plan.world.is_main else None
+        peak, bf16_peak = run_peaks(self.plan) if self.plan.world.is_main else (None, None)
         if peak is not None and peak.tflops:
             log.info("MFU divides by %.3g TFLOP/s per device (%s)", peak.tflops, peak.source)
-        self.meter = ThroughputMeter(self.plan.device, self.plan.world.size, peak)
+        self.meter = ThroughputMeter(self.plan.device, self.plan.world.size, peak, bf16_peak)
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
         self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)

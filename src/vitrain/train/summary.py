@@ -27,8 +27,11 @@ def describe_length(schedule: SchedulePlan) -> str:
 
 
 def describe_precision(policy: PrecisionPolicy) -> str:
-    """``bf16 (o2)``, ``fp32``: the precision, and the mode where it is not autocast."""
-    return policy.dtype + (f" ({policy.mode})" if policy.mode != "autocast" else "")
+    """``bf16 (o2)``, ``fp32``, ``fp8 (o2, tensorwise)``: the precision, the mode where it is not autocast,
+    and FP8's scaling."""
+    details = [policy.mode] if policy.mode != "autocast" else []
+    details += [policy.fp8_scaling] if policy.fp8_scaling else []
+    return policy.name + (f" ({', '.join(details)})" if details else "")
 
 
 def describe_start(run: Run) -> str:
@@ -64,7 +67,7 @@ def write_summary(
         "num_params": num_parameters(run.model),
         "recipe": plan.config.recipe,
         "device": plan.device,
-        "precision": plan.precision.dtype,
+        "precision": plan.precision.name,
         "precision_mode": plan.precision.mode,
         "epochs": state.epoch_position(plan.schedule.num_train),
         "steps": state.step,
