@@ -28,7 +28,9 @@ ALIGNMENT = 16
 
 def selected_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(name, module) of the linear layers ``precision=fp8`` runs in FP8, in the model's order."""
-    owners = {id(child) for module in model.modules() if isinstance(module, LINEAR_OWNERS) for child in module.children()}
+    owners = {
+        id(child) for module in model.modules() if isinstance(module, LINEAR_OWNERS) for child in module.children()
+    }
     return [
         (name, module)
         for name, module in model.named_modules()

@@ -26,12 +26,12 @@ from vitrain.metrics.profiling import StepProfiler
 from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
 from vitrain.train.build import (
-    run_peaks,
     Run,
     apply_init_from,
     build_run,
     forward_shapes,
     prepare_run_folder,
+    run_peaks,
     warm_up_compiled_shapes,
 )
 from vitrain.train.evaluate import evaluate
