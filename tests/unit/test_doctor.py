@@ -142,7 +142,12 @@ def test_gpu_section_with_mocked_cuda(mocked_cuda):
     assert first.data["capability"] == [9, 0] and first.data["memory_bytes"] == 80 * GIB
     assert report.find("GPU", "gpu0 bf16").status == "PASS" and report.find("GPU", "gpu0 fp8").data["fp8"]
     peak = report.find("GPU", "gpu0 peak")
-    assert peak.status == "PASS" and peak.data["bf16_tflops"] == 989.4 and "H100 SXM" in peak.value
+    assert (
+        peak.status == "PASS"
+        and peak.data["bf16_tflops"] == 989.4
+        and peak.data["fp8_tflops"] == 1978.9
+        and "H100 SXM" in peak.value
+    )
     assert report.find("GPU", "gpu0 sdpa").data["backends"] == ["flash", "efficient", "cudnn", "math"]
     assert report.find("GPU", "gpu2 bf16").status == "WARN" and not report.find("GPU", "gpu2 fp8").data["fp8"]
     unknown = report.find("GPU", "gpu2 peak")

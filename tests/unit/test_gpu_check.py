@@ -25,7 +25,8 @@ STAGES = [
     "bench-resnet50_cl",
     "ladder-vit_b16",
 ]
-SPEED = ["speed-sdpa", "speed-pinned", "speed-auto", "speed-auto-b2x", "speed-autotune"]
+SPEED = ["speed-bf16", "speed-fp8-rowwise", "speed-fp8-b2x", "volo-fp8", "speed-pinned"]
+"""The dry run's rows of the speed sweep: one of each kind."""
 
 
 def _env() -> dict[str, str]:
@@ -101,9 +102,10 @@ def test_a_run_past_its_deadline_says_what_it_did_not_run(tmp_path):
     assert _stage_rows((tmp_path / "summary.md").read_text()) == dict.fromkeys(STAGES, "not run (deadline)")
 
 
-def test_the_speed_sweep_dry_run_measures_each_setting_of_vit_b16(tmp_path):
-    """``--speed``: one bench per setting, the first against timm compiled and eager; the CPU dry run pins
-    SDPA's math kernel where a GPU run pins cuDNN's."""
+def test_the_speed_sweep_dry_run_compares_bf16_with_fp8_and_profiles_each_row(tmp_path):
+    """``--speed``: bf16 O2 and FP8 rows compiled, the first against timm compiled and eager, each profiled,
+    then JPEG decode; the CPU dry run pins SDPA's math kernel where a GPU run pins cuDNN's."""
+    pytest.importorskip("torchao", reason="the sweep's FP8 rows need torchao (the dev extra installs it)")
     env = {**_env(), "VITRAIN_CACHE_DIR": str(tmp_path / "cache")}  # the probe of the auto rows measures afresh
     out = tmp_path / "speed"
     result = subprocess.run(
@@ -115,18 +117,27 @@ def test_the_speed_sweep_dry_run_measures_each_setting_of_vit_b16(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {name: json.loads((out / f"{name}.json").read_text()) for name in SPEED}
-    assert {name: row["model"] for name, row in rows.items()} == dict.fromkeys(SPEED, "vit_base_patch16")
+    assert rows["volo-fp8"]["model"] == "volo_d1" and rows["speed-fp8-b2x"]["batch"] == 4
     assert all(row["compile"] and row["precision_mode"] == "o2" for row in rows.values())
-    assert rows["speed-sdpa"]["attn_impl"] == "sdpa" and rows["speed-pinned"]["attn_impl"] == "sdpa_math"
-    assert rows["speed-auto"]["attn_impl"] in ("sdpa", "matmul")  # the probe's CPU candidates
-    assert rows["speed-autotune"]["compile_mode"] == "max-autotune-no-cudagraphs"
-    assert rows["speed-auto"]["compile_mode"] == "default" and rows["speed-auto-b2x"]["batch"] == 4
-    first = rows["speed-sdpa"]
+    precisions = {name: (row["precision"], row["fp8_scaling"]) for name, row in rows.items()}
+    assert precisions["speed-bf16"] == ("bf16", None) and precisions["speed-fp8-rowwise"] == ("fp8", "rowwise")
+    assert precisions["speed-fp8-b2x"] == ("fp8", "tensorwise")
+    assert "mfu_bf16_equivalent" in rows["volo-fp8"] and "mfu_bf16_equivalent" not in rows["speed-bf16"]
+    assert rows["speed-pinned"]["attn_impl"] == "sdpa_math"
+    assert rows["speed-bf16"]["attn_impl"] in ("sdpa", "matmul")  # the probe's CPU candidates
+    first = rows["speed-bf16"]
     assert (first["timm"]["compile"], first["timm_eager"]["compile"]) == (True, False)
     assert "timm" not in rows["speed-pinned"]
     summary = (out / "summary.md").read_text()
-    assert summary.startswith("# GPU speed sweep") and "| speed-pinned | 2 | sdpa_math | default |" in summary
-    breakdown = summary.split("## Where the step goes")[1]
-    assert "| speed-sdpa timm eager | " in breakdown and "| speed-autotune vitrain | " in breakdown
-    assert rows["speed-sdpa"]["step_breakdown"]["categories_ms"]["matmul"] > 0
+    assert (
+        summary.startswith("# GPU speed sweep")
+        and "| speed-pinned | vit_base_patch16 | 2 | bf16 o2 | sdpa_math |" in summary
+    )
     assert f"| {first['ours_over_timm']:.3f} | {first['ours_over_timm_eager']:.3f} |" in summary
+    breakdown = summary.split("## Where the step goes")[1]
+    assert "| speed-bf16 timm eager | " in breakdown and "| volo-fp8 vitrain | " in breakdown
+    assert first["step_breakdown"]["categories_ms"]["matmul"] > 0
+    assert "### speed-bf16 vitrain" in summary and "### speed-bf16 timm" in summary  # the top kernels
+    decode = json.loads((out / "decode.json").read_text())
+    assert [row["name"] for row in decode["rows"]][:2] == ["pillow, 1 process", "torchvision decode_jpeg cpu"]
+    assert all(row["img_s"] > 0 for row in decode["rows"][:2]) and "## JPEG decode on the device" in summary

@@ -33,9 +33,11 @@ def _weights(path):
     return load_checkpoint(path)["model"]
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16-o2"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16-o2", "fp8-o2"])
 def test_resume_after_epoch_is_bitwise_identical(small_synthetic_overrides, tmp_path, mode):
-    precision = ["precision=bf16", "precision_mode=o2"] if mode == "bf16-o2" else []
+    if mode == "fp8-o2":
+        pytest.importorskip("torchao", reason="precision=fp8 needs torchao (the dev extra installs it)")
+    precision = [f"precision={mode.split('-')[0]}", "precision_mode=o2"] if mode != "fp32" else []
     overrides = [
         *small_synthetic_overrides,
         *precision,

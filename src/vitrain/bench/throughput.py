@@ -191,6 +191,7 @@ def describe_run(plan: Plan, settings: BenchSettings) -> dict[str, Any]:
         "image_size": plan.model.image_size,
         "batch": plan.batch.global_batch,
         "precision": plan.precision.name,
+        "fp8_scaling": plan.precision.fp8_scaling,
         "compile": settings.compile,
         "compile_mode": settings.compile_mode if settings.compile else None,
         "steps": settings.steps,

@@ -76,6 +76,13 @@ class PrecisionPolicy:
 
         return torch.autocast(torch.device(self.device).type, dtype=self.compute_dtype)
 
+    def evaluation_context(self) -> contextlib.AbstractContextManager:
+        """What evaluation runs under besides autocast: inference mode, or no_grad for FP8 (torchao's FP8
+        tensors cannot be made under inference mode and autocast together)."""
+        import torch
+
+        return torch.no_grad() if self.fp8_scaling else torch.inference_mode()
+
     def training_context(self) -> contextlib.AbstractContextManager:
         """What the training forward runs under: autocast where the policy says, else nothing."""
         return self.autocast_context() if self.autocast else contextlib.nullcontext()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from vitrain.config.resolve import FP8_CAPABILITY
 from vitrain.doctor.report import Check, Context, Status
 from vitrain.metrics.peak import cuda_peak, find_gpu_peaks
 
@@ -19,7 +20,6 @@ SECTION = "GPU"
 SDPA_SHAPE = (8, 12, 197, 64)
 """ViT-B/16 at 224 px: batch 8, 12 heads, 196 patches + the class token, head dimension 64."""
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first with fp8 tensor cores
 
 
 def _first_line(error: BaseException) -> str:
@@ -101,17 +101,17 @@ def _precision_lines(index: int, capability: tuple[int, int]) -> list[Check]:
         fix = "precision=auto picks fp32 here; precision=fp16 (with loss scaling) is the fast option on this GPU"
         bf16_line = Check(SECTION, f"gpu{index} bf16", "WARN", "no (compute capability < 8.0)", fix, {"bf16": False})
     fp8 = capability >= FP8_CAPABILITY
-    fp8_value = "yes (compute capability >= 8.9)" if fp8 else "no (needs compute capability 8.9+)"
+    fp8_value = "yes (compute capability >= 8.9): precision=fp8 runs" if fp8 else "no (needs compute capability 8.9+)"
     return [bf16_line, Check(SECTION, f"gpu{index} fp8", "PASS", fp8_value, data={"fp8": fp8})]
 
 
 def _peak_line(index: int, name: str) -> Check:
-    peaks = {precision: cuda_peak(name, precision) for precision in ("bf16", "fp32")}
+    peaks = {precision: cuda_peak(name, precision) for precision in ("bf16", "fp8", "fp32")}
     data = {f"{precision}_tflops": peak.tflops for precision, peak in peaks.items()}
     entry = find_gpu_peaks(name)
     if entry is None:
         fix = (
-            "add a GpuPeaks(pattern, label, {fp32, tf32, bf16, fp16 dense TFLOP/s}, datasheet) entry to "
+            "add a GpuPeaks(pattern, label, {fp32, tf32, bf16, fp16, fp8 dense TFLOP/s}, datasheet) entry to "
             "CUDA_PEAKS in src/vitrain/metrics/peak.py; until then bench and training report no MFU"
         )
         return Check(SECTION, f"gpu{index} peak", "WARN", f"{name!r} is not in the peak table", fix, data)

@@ -302,7 +302,7 @@ def warm_up_compiled_shapes(run: Run) -> float:
         run.normalize(torch.zeros(batch, channels, size, size, device=plan.device)) for batch, size in shapes
     )
     size = plan.model.image_size
-    with torch.inference_mode(), plan.precision.autocast_context():
+    with plan.precision.evaluation_context(), plan.precision.autocast_context():
         run.model.eval()
         run.model(run.normalize(torch.zeros(plan.batch.eval_per_process, channels, size, size, device=plan.device)))
         run.model.train()

@@ -14,7 +14,6 @@ from vitrain.parallel.distributed import all_reduce_
 from vitrain.train.objectives import both_heads
 
 
-@torch.inference_mode()
 def evaluate(
     model: nn.Module,
     loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -30,6 +29,18 @@ def evaluate(
 
     A model with a token-labeling auxiliary head is scored as it predicts (class logits + 0.5 x the max of
     the auxiliary ones) and, as ``cls_top1`` / ``cls_top5``, by its class head alone."""
+    with policy.evaluation_context():
+        return _evaluate(model, loader, prepare, policy, replicas, pad_to)
+
+
+def _evaluate(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    policy: PrecisionPolicy,
+    replicas: int,
+    pad_to: int | None,
+) -> dict[str, float]:
     device = policy.device
     was_training = model.training
     model.eval()
