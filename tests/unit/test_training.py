@@ -263,3 +263,57 @@ def test_an_o2_step_refuses_to_run_without_its_low_precision_copy():
     copy = apply_precision(model, o2)
     with pytest.raises(ValueError, match="low-precision copy"):
         TrainStep(model, optimizer, build_grad_scaler(autocast), autocast, Classification(), 1.0, low_precision=copy)
+
+
+@pytest.mark.parametrize("model_name", ["vit_tiny6_patch7", "localvit_tiny6_patch7"])
+def test_flat_o2_buffers_step_bitwise_as_the_per_tensor_copies(model_name):
+    """O2's weights and gradients moved through flat buffers: the same weights, optimizer state and compute
+    copy as the per-tensor copies after several clipped AdamW steps (LocalViT: BatchNorm keeps an fp32 group
+    in the compute copy), in a few ops instead of one or more per parameter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vitrain.config import precision_policy
+    from vitrain.models import build_model
+    from vitrain.train.objectives import Classification
+    from vitrain.train.step import LowPrecisionWeights, TrainStep, build_grad_scaler
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view  # ops that compute (views and aliases launch nothing)
+            return func(*args, **(kwargs or {}))
+
+    def run(flat: bool):
+        torch.manual_seed(0)
+        model = build_model(model_name, img_size=14, in_chans=1, num_classes=4, embed_dim=48)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        policy = precision_policy("bf16", "o2", "cpu")
+        low_precision = LowPrecisionWeights(model, policy.compute_dtype, flat=flat)
+        step = TrainStep(
+            model, optimizer, build_grad_scaler(policy), policy, Classification(), 0.5, low_precision=low_precision
+        )
+        torch.manual_seed(1)
+        for _ in range(4):
+            step(torch.randn(8, 1, 14, 14), torch.randint(4, (8,)))
+        low_precision.compute(torch.randn(8, 1, 14, 14, dtype=torch.bfloat16)).float().sum().backward()
+        with CountOps() as counter:
+            low_precision.pull_grads()
+            low_precision.push_weights()
+        return model, optimizer, low_precision, counter.ops
+
+    flat_model, flat_optimizer, flat_copy, flat_ops = run(True)
+    plain_model, plain_optimizer, plain_copy, plain_ops = run(False)
+    assert flat_copy.flat is not None and plain_copy.flat is None
+    for (name, ours), reference in zip(flat_model.state_dict().items(), plain_model.state_dict().values(), strict=True):
+        assert torch.equal(ours, reference), name
+    for ours, reference in zip(
+        flat_copy.compute.state_dict().values(), plain_copy.compute.state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, reference)
+    for ours, reference in zip(flat_optimizer.state.values(), plain_optimizer.state.values(), strict=True):
+        assert reference and all(torch.equal(ours[key], reference[key]) for key in reference)
+    groups = len(flat_copy.flat.groups)
+    assert flat_ops <= 1 + groups + len(flat_copy.buffer_pairs) and plain_ops > 10 * flat_ops  # one per bf16 tensor

@@ -51,17 +51,69 @@ def to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+class FlatCopy:
+    """The O2 bookkeeping as flat buffers: the compute copy's parameters are views into one buffer per dtype,
+    and the master gradients views into one fp32 buffer, so rounding the master weights into the copy is one
+    ``cat`` per dtype and moving the gradients over is one ``cat``, whatever the number of tensors (the
+    per-tensor loops launch a kernel or more per parameter). Values are the ones the per-tensor copies give:
+    each is a rounding or an exact widening, element by element."""
+
+    def __init__(self, master_params: list[nn.Parameter], compute_params: list[nn.Parameter]):
+        self.master_params, self.compute_params = master_params, compute_params
+        self.groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # (flat compute buffer, its masters)
+        by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, nn.Parameter]]] = {}
+        for master, compute in zip(master_params, compute_params, strict=True):
+            by_dtype.setdefault(compute.dtype, []).append((master, compute))
+        for pairs in by_dtype.values():
+            flat = torch.cat([compute.detach().reshape(-1) for _, compute in pairs])
+            offset = 0
+            for _, compute in pairs:
+                compute.data = flat[offset : offset + compute.numel()].view_as(compute)
+                offset += compute.numel()
+            self.groups.append((flat, [master for master, _ in pairs]))
+        sizes = [param.numel() for param in master_params]
+        self.grad = torch.empty(sum(sizes), dtype=torch.float32, device=master_params[0].device)
+        self.grad_views = [view.view_as(p) for view, p in zip(self.grad.split(sizes), master_params, strict=True)]
+
+    @staticmethod
+    def applies(master_params: list[nn.Parameter], compute_params: list[nn.Parameter]) -> bool:
+        """Plain, contiguous parameters on one device (not the DTensors of tensor parallelism)."""
+        params = [*master_params, *compute_params]
+        return (
+            bool(params)
+            and all(type(p.data) is torch.Tensor and p.is_contiguous() for p in params)
+            and len({p.device for p in params}) == 1
+        )
+
+    def pull_grads(self) -> bool:
+        """The compute gradients, widened to fp32, as the master gradients; False (nothing done) when some
+        parameter has none (the optimizer skips those: a zero would not be the same step)."""
+        grads = [compute.grad for compute in self.compute_params]
+        if any(grad is None or not grad.is_contiguous() for grad in grads):
+            return False
+        torch.cat([grad.reshape(-1) for grad in grads], out=self.grad)
+        for master, compute, view in zip(self.master_params, self.compute_params, self.grad_views, strict=True):
+            master.grad, compute.grad = view, None
+        return True
+
+    def push_weights(self) -> None:
+        for flat, masters in self.groups:  # the masters' current storage (a resume may have replaced it)
+            torch.cat([master.detach().reshape(-1) for master in masters], out=flat)
+
+
 class LowPrecisionWeights:
     """ "O2" mixed precision: a copy of the model in the compute dtype runs forward and backward
     with no autocast casts; the fp32 model stays the master copy that the optimizer updates and
     checkpoints hold (Micikevicius et al. 2018, "Mixed Precision Training"; apex opt-level O2).
+    Weights and gradients move between the two through flat buffers (:class:`FlatCopy`) where the
+    parameters are plain tensors, else tensor by tensor.
 
     BatchNorm layers stay fp32 in the compute copy (``to_compute_dtype``) and share the master's
     running statistics, so the statistics each forward updates are the ones evaluation and
     checkpoints see.
     """
 
-    def __init__(self, master: nn.Module, dtype: torch.dtype):
+    def __init__(self, master: nn.Module, dtype: torch.dtype, flat: bool = True):
         self.master, self.dtype = master, dtype
         self.compute = to_compute_dtype(copy.deepcopy(master), dtype)
         for master_module, compute_module in zip(master.modules(), self.compute.modules(), strict=True):
@@ -75,10 +127,14 @@ class LowPrecisionWeights:
             for master_buffer, compute_buffer in zip(master.buffers(), self.compute.buffers(), strict=True)
             if master_buffer is not compute_buffer
         ]
+        applies = flat and FlatCopy.applies(self.master_params, self.compute_params)
+        self.flat = FlatCopy(self.master_params, self.compute_params) if applies else None
         self.push_weights()  # exact fp32 BatchNorm weights, not the round trip through the compute dtype
 
     def pull_grads(self) -> None:
         """Move the compute copy's gradients onto the master parameters, in fp32."""
+        if self.flat is not None and self.flat.pull_grads():
+            return
         for master, compute in zip(self.master_params, self.compute_params, strict=True):
             master.grad = None if compute.grad is None else compute.grad.float()
             compute.grad = None
@@ -86,7 +142,10 @@ class LowPrecisionWeights:
     @torch.no_grad()
     def push_weights(self) -> None:
         """Round the master weights (and unshared buffers) into the compute copy."""
-        torch._foreach_copy_(self.compute_params, self.master_params)
+        if self.flat is not None:
+            self.flat.push_weights()
+        else:
+            torch._foreach_copy_(self.compute_params, self.master_params)
         for master, compute in self.buffer_pairs:
             compute.copy_(master)
 
