@@ -12,7 +12,7 @@ from tests.conftest import make_config
 from vitrain import kernels
 from vitrain.config import precision_policy
 from vitrain.models import build_model
-from vitrain.train import attention_probe, build_model_for, make_plan
+from vitrain.train import attention_probe, build_model_for, make_plan, train
 
 
 @pytest.fixture
@@ -76,6 +76,8 @@ def test_a_real_probe_times_both_paths_and_the_run_uses_its_choice(cache_dir, sm
     assert entry["impl"] in attention_probe.IMPLEMENTATIONS and entry["sdpa_ms"] > 0 and entry["matmul_ms"] > 0
     assert attention_probe.attention_impl(model) == entry["impl"]
     assert model(torch.randn(2, plan.model.in_chans, 14, 14)).shape == (2, plan.model.num_classes)
+    summary = train(make_plan(make_config(*small_synthetic_overrides, "model.attn_impl=auto", "train.steps=1")))
+    assert summary["attention"] == entry["impl"]  # the run's summary records the measured kernel
 
 
 def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch):

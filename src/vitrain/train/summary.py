@@ -10,6 +10,7 @@ from vitrain.config.precision import PrecisionPolicy
 from vitrain.io import write_file_atomic
 from vitrain.metrics import run_environment
 from vitrain.models import num_parameters
+from vitrain.train.attention_probe import attention_impl
 from vitrain.train.build import Run
 
 
@@ -69,6 +70,7 @@ def write_summary(
         "device": plan.device,
         "precision": plan.precision.name,
         "precision_mode": plan.precision.mode,
+        "attention": attention_impl(run.model),
         "epochs": state.epoch_position(plan.schedule.num_train),
         "steps": state.step,
         "world_size": plan.world.size,
