@@ -39,7 +39,7 @@ def _overrides(out_dir, *extra):
         "train.progress=off",
         "train.log_every_steps=2",
         "checkpoint.keep_last=5",
-        "optim.name=adamw",  # the default recipe's Muon is refused by fsdp/tp (test_sharded); it has its own DDP test
+        "optim.name=adamw",  # Muon has its own tests: DDP here, FSDP and TP in test_sharded
         "optim.lr=0.2",
         "schedule.warmup_epochs=1",
         f"train.out_dir={out_dir}",

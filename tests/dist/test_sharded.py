@@ -199,3 +199,51 @@ def test_fsdp_on_a_cpu_mesh_reduces_gradients_by_sum_then_divides(tmp_path):
             assert torch.allclose(ours.grad.full_tensor(), theirs.grad, atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+MUON = ("optim.name=muon", "optim.lr=0.05")
+
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("muon-single") / "run"
+    _train_in_one_process(out_dir, HEADS, *MUON)
+    return out_dir
+
+
+@pytest.mark.parametrize(
+    ("nproc", "settings"),
+    [
+        (2, ["parallel.strategy=fsdp"]),
+        (2, ["parallel.strategy=tp"]),
+        pytest.param(4, ["parallel.strategy=fsdp", "train.micro_batch_size=2"], id="fsdp-4-accumulation"),
+    ],
+    ids=["fsdp", "tp", "fsdp-4-accumulation"],
+)
+def test_sharded_muon_takes_the_one_process_steps(muon_reference, tmp_path, nproc, settings):
+    """Muon under FSDP2 and TP orthogonalizes each whole update (gathered, then cut back to the shard), so
+    the sharded run takes the steps of one process; its momentum stays sharded in the checkpoint."""
+    out_dir = _run(tmp_path / "run", nproc, *MUON, *settings)
+    _assert_close(_final_weights(out_dir), _final_weights(muon_reference))
+    assert _losses(out_dir) == pytest.approx(_losses(muon_reference), rel=1e-4)
+
+
+DEFAULT_MODEL = ("model.name=localvit_tiny6_convstem_patch8", "data.image_size=16", *MUON)
+"""The default recipe's model (convolutional stem with BatchNorm, locality FFN) and optimizer, small data."""
+
+
+@pytest.mark.parametrize(
+    ("precision", "tolerance"),
+    [(("precision=fp32",), 1e-4), (("precision=bf16", "precision_mode=o2"), 0.02)],
+    ids=["fp32", "bf16-o2"],
+)
+def test_the_default_model_and_muon_shard_in_fp32_and_bf16_o2(tmp_path, precision, tolerance):
+    """FSDP over 2 processes against DDP over the same 2: BatchNorm normalizes each process's slice in both
+    (no SyncBatchNorm, so one process, normalizing the whole batch, is not the reference), Muon takes
+    whole-matrix steps in both. Under O2, FSDP gathers BatchNorm in fp32 and reduces in fp32 where DDP
+    reduces bf16 gradients: rounding apart."""
+    ddp = _run(tmp_path / "ddp", 2, *DEFAULT_MODEL, *precision)
+    fsdp = _run(tmp_path / "fsdp", 2, *DEFAULT_MODEL, *precision, "parallel.strategy=fsdp")
+    assert _losses(fsdp) == pytest.approx(_losses(ddp), rel=tolerance)
+    if tolerance < 1e-3:  # AdamW's near-zero-gradient tensors (biases) turn reduction-order bits into 1e-4 steps
+        _assert_close(_final_weights(fsdp), _final_weights(ddp), atol=1e-3)

@@ -311,7 +311,6 @@ def _tensor_parallel_shape(config: Config, facts: ModelFacts) -> tuple[int, int]
 
 
 WHOLE_TENSOR_OPTIMIZERS = {
-    "muon": "Muon orthogonalizes whole weight matrices",
     "lamb": "LAMB's trust ratio needs the norm of each whole tensor",
 }
 
@@ -321,6 +320,11 @@ def _check_optimizer_sees_whole_tensors(optimizer: str, strategy: str, world: Wo
         strategy == "ddp" or optimizer not in WHOLE_TENSOR_OPTIMIZERS or world.size == 1,
         f"optim.name={optimizer} with parallel.strategy={strategy}: {WHOLE_TENSOR_OPTIMIZERS.get(optimizer)} and "
         "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
+    )
+    require(
+        not (optimizer == "muon" and strategy == "fsdp+tp" and world.size > 1),
+        "optim.name=muon with parallel.strategy=fsdp+tp is not supported (its steps drift from one process's on "
+        "the fused qkv's doubly strided shards); use parallel.strategy=fsdp or tp, or optim.name=adamw",
     )
 
 

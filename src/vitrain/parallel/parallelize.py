@@ -103,7 +103,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelPlan, precision: PrecisionPolicy) -> None:
-    """FSDP2 per block, then the root (whose remaining parameters form one more group)."""
+    """FSDP2 per block, then the root (whose remaining parameters form one more group); under O2 each
+    BatchNorm first, in fp32 (FSDP's low-precision gather would hand it bf16 weights beside its fp32
+    running statistics, which ``batch_norm`` refuses)."""
     o2 = precision.weights == "fsdp_mixed_precision"
     policy = MixedPrecisionPolicy(
         param_dtype=precision.compute_dtype if o2 else None,
@@ -115,32 +117,39 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelPlan, preci
         "offload_policy": CPUOffloadPolicy() if parallel.fsdp_cpu_offload else OffloadPolicy(),
     }
     reshard = parallel.fsdp_reshard == "zero3"
+    units = []
+    if o2:  # BatchNorm stays fp32 as in O2's copy: its own unit, gathered in fp32, its input left as it comes
+        fp32 = {**options, "mp_policy": MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False)}
+        for norm in [module for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, reshard_after_forward=reshard, **fp32)
+            units.append(norm)
     for block in model.block_modules():
         fully_shard(block, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=False, **options)  # the root is needed first in the backward
     if mesh.device_type == "cpu":
         # gloo: reduce-scatter with SUM and divide after, not with AVG, which torch 2.8's gloo summed
         # (every gradient times the world size)
-        for module in (*model.block_modules(), model):
+        for module in (*units, *model.block_modules(), model):
             module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_buffer_sync(model: nn.Module, mesh: DeviceMesh) -> None:
     """BatchNorm running statistics are per process under FSDP (each sees its own slice); as DDP does,
-    broadcast them from the first data-parallel rank before every training forward, so every rank
-    evaluates and checkpoints the same model."""
+    every training forward starts from the first data-parallel rank's. They are broadcast after each
+    training forward (not before, as DDP does): every forward still starts from rank 0's statistics, and
+    between steps every rank holds them, so evaluation and checkpoints see the same model everywhere."""
     buffers = [buffer for module in model.modules() for buffer in module.buffers(recurse=False)]
     buffers = [buffer for buffer in buffers if buffer.is_floating_point()]
     if not buffers:
         return
     group = mesh.get_group("dp")
 
-    def broadcast_buffers(module: nn.Module, args) -> None:
+    def broadcast_buffers(module: nn.Module, args, output) -> None:
         if module.training:
             for buffer in buffers:
                 dist.broadcast(buffer, group=group, group_src=0)
 
-    model.register_forward_pre_hook(broadcast_buffers)
+    model.register_forward_hook(broadcast_buffers)
 
 
 def apply_compile(model: nn.Module, parallel: ParallelPlan) -> None:

@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 
@@ -141,6 +142,28 @@ def orthogonalize(matrices: torch.Tensor, steps: int, dtype: torch.dtype = torch
     return (x.mT if tall else x).reshape(matrices.shape)
 
 
+def shards_rows(parameter: torch.Tensor) -> bool:
+    """A DTensor whose every mesh dimension shards its first dimension (FSDP2; column-parallel layers, the
+    fused qkv's strided shards; both at once): each process holds whole rows, every row on one process."""
+    return isinstance(parameter, DTensor) and all(
+        isinstance(placement, Shard) and placement.dim == 0 for placement in parameter.placements
+    )
+
+
+def gather_rows(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every process's rows of a matrix, stacked in rank order (the matrix with its rows permuted, which
+    Newton-Schulz orthogonalizes to the rows of the same permutation), and where this process's rows start."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    counts = [torch.zeros((), dtype=torch.long, device=local.device) for _ in range(world)]
+    torch.distributed.all_gather(counts, torch.tensor(len(local), device=local.device))
+    sizes = [int(count) for count in counts]
+    padded = local.new_zeros((max(sizes), *local.shape[1:]))
+    padded[: len(local)] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(pieces, padded)
+    return torch.cat([piece[:size] for piece, size in zip(pieces, sizes, strict=True)]), sum(sizes[:rank])
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon (momentum orthogonalized by Newton-Schulz; Jordan et al. 2024) on the groups marked
     ``use_muon``, AdamW on the others: one optimizer, so the LR schedule, gradient clipping, NaN
@@ -149,7 +172,11 @@ class MuonAdamW(torch.optim.Optimizer):
     A Muon step: Nesterov momentum ``buffer = momentum * buffer + (1 - momentum) * grad``, the update
     ``grad + momentum * (buffer - grad)`` viewed as an ``(out, in * kernel)`` matrix and orthogonalized,
     decoupled weight decay ``w *= 1 - lr * weight_decay``, then ``w -= lr * 0.2 * sqrt(max(out, in)) * O``
-    (torch.optim.Muon with ``adjust_lr_fn="match_rms_adamw"``, which only takes 2-D parameters)."""
+    (torch.optim.Muon with ``adjust_lr_fn="match_rms_adamw"``, which only takes 2-D parameters).
+
+    Sharded parameters (FSDP2, tensor parallelism, both) get the update of the whole matrix: each update
+    is gathered, every process orthogonalizes the same stack, and each adds its own elements of the result;
+    the momentum stays sharded. So a sharded run takes the steps one process takes."""
 
     def __init__(
         self,
@@ -189,15 +216,36 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
             buffer.lerp_(parameter.grad, 1 - momentum)
-            update = parameter.grad.lerp(buffer, momentum).reshape(len(parameter), -1)
-            by_shape.setdefault(tuple(update.shape), []).append((parameter, update))
-        for shape, pairs in by_shape.items():  # the blocks repeat their shapes: one batched iteration each
-            parameters, updates = zip(*pairs, strict=True)
+            update, start = self._whole_matrix(parameter.grad.lerp(buffer, momentum))
+            by_shape.setdefault(tuple(update.shape), []).append((parameter, update, start))
+        for shape, triples in by_shape.items():  # the blocks repeat their shapes: one batched iteration each
+            parameters, updates, starts = zip(*triples, strict=True)
             orthogonal = orthogonalize(torch.stack(updates), self.ns_steps, self.orthogonalize_dtype)
             step_size = lr * ADAMW_MATCHED_RMS * math.sqrt(max(shape))
-            for parameter, matrix in zip(parameters, orthogonal, strict=True):
+            for parameter, matrix, start in zip(parameters, orthogonal, starts, strict=True):
                 parameter.mul_(1 - lr * group["weight_decay"])
-                parameter.add_(matrix.view_as(parameter).to(parameter.dtype), alpha=-step_size)
+                own = self._own_part(matrix.to(parameter.dtype), parameter, start)
+                (parameter.to_local() if isinstance(parameter, DTensor) else parameter).add_(own, alpha=-step_size)
+
+    @staticmethod
+    def _whole_matrix(update: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """The whole ``(rows, -1)`` matrix of an update and where this process's rows start in it (None: the
+        matrix is in its own order): row shards are gathered as rows, other DTensors whole."""
+        if shards_rows(update):
+            local = update.to_local()
+            return gather_rows(local.reshape(len(local), -1))
+        return (update.full_tensor() if isinstance(update, DTensor) else update).reshape(len(update), -1), None
+
+    @staticmethod
+    def _own_part(matrix: torch.Tensor, parameter: torch.Tensor, start: int | None) -> torch.Tensor:
+        """This process's part of the orthogonalized ``matrix``, shaped as its part of ``parameter``."""
+        if not isinstance(parameter, DTensor):
+            return matrix.view_as(parameter)
+        local = parameter.to_local()
+        if start is not None:
+            return matrix[start : start + len(local)].view_as(local)
+        full = matrix.view(parameter.shape)  # every process holds it: each cuts its own shard, no communication
+        return distribute_tensor(full, parameter.device_mesh, parameter.placements, src_data_rank=None).to_local()
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
