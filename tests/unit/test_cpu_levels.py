@@ -38,13 +38,16 @@ EMULATED_TESTS = [
 """Run at every level: what the level changes (the kernels' vector code, the trained weights' digests, the
 measured choices, what the doctor says)."""
 EMULATED_TRAINING_TESTS = [
-    "tests/unit/test_training.py",
+    "tests/unit/test_training.py::test_resume_after_epoch_is_bitwise_identical",
+    "tests/unit/test_training.py::test_mixed_precision_steps_are_finite_and_keep_fp32_master_weights",
+    "tests/unit/test_training.py::test_o2_step_updates_fp32_master_and_rounds_it_into_the_compute_copy",
+    "tests/unit/test_training.py::test_flat_o2_buffers_step_bitwise_as_the_per_tensor_copies",
     "tests/unit/test_activation_checkpoint.py",
     "tests/unit/test_bench.py::test_ladder_is_cumulative_keeps_the_faster_attention_and_reports_relative_throughput",
-    "tests/dist/test_sharded.py::test_fsdp_o2_computes_in_bf16_and_keeps_fp32_master_weights",
+    "tests/dist/test_sharded.py::test_fsdp_o2_computes_in_low_precision_and_keeps_fp32_master_weights[bf16-0.02]",
 ]
-"""Run at the AVX-512-without-bf16 level only: training with emulated bf16 (O2, resume, checkpointing, the
-ladder, FSDP's O2), whose code paths are the same at the AVX2 level, where the reference weights still
+"""Run at the AVX-512-without-bf16 level only: training with emulated bf16 (O2 and its flat buffers, resume,
+checkpointing, the ladder, FSDP's O2), whose code paths are the same at the AVX2 level, where the reference weights still
 check the numbers."""
 LEVEL_INDEPENDENT = "not (ninja or install_of_torch or error_of_the_kernels)"
 """The kernels' build-mechanics tests, which no CPU level changes (they run natively)."""

@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, *_loaded("vitrain.io", "CheckpointError")) as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except _loaded("vitrain.train.loop", "TrainingDiverged") as error:
+    except (
+        *_loaded("vitrain.train.loop", "TrainingDiverged"),
+        *_loaded("vitrain.parallel.heartbeat", "PeerLost"),
+    ) as error:
         print(f"vitrain: error: {error}", file=sys.stderr)
         return 1
     except _loaded("vitrain.train.signals", "Preempted") as stop:

@@ -25,6 +25,7 @@ from vitrain.metrics import MetricsSinks, NullWriter, ThroughputMeter, build_met
 from vitrain.metrics.profiling import StepProfiler
 from vitrain.models.flops import model_flops
 from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
+from vitrain.parallel.heartbeat import Heartbeat
 from vitrain.train.build import (
     Run,
     apply_init_from,
@@ -75,6 +76,8 @@ class Trainer:
         self.meter = ThroughputMeter(self.plan.device, self.plan.world.size, peak, bf16_peak)
         self.last_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.skips = SkipCounter(self.plan.device, run.state.skipped_steps, run.state.skip_streak)
+        world = self.plan.world
+        self.heartbeat = Heartbeat(world.rank, world.size, self.plan.config.parallel.timeout_s)
         self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)
         self.wall_started = self.last_checkpoint_at = clock()
 
@@ -320,6 +323,7 @@ class Trainer:
             self.skips.add(run.step_fn.skipped)
             self.profiler.after_step(state.step)
             state.step += 1
+            self.heartbeat.beat(state.step)
             self._update_ema()
             images_in_step = plan.batch.global_of(len(labels))  # the global batch (TP peers share a slice)
             state.images_seen += images_in_step
@@ -380,6 +384,11 @@ class Trainer:
                 self.profiler.close()
                 self._summary(preempted=preempted.signal_name)
                 raise
+            except RuntimeError as error:  # a collective that failed because a peer died or hangs: name it
+                explained = self.heartbeat.explain(error)
+                if explained is error:
+                    raise
+                raise explained from error
             self._close_window(progress)
         self.profiler.close()
         if self.last_eval_step != state.step:
