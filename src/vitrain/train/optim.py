@@ -174,9 +174,10 @@ class MuonAdamW(torch.optim.Optimizer):
     decoupled weight decay ``w *= 1 - lr * weight_decay``, then ``w -= lr * 0.2 * sqrt(max(out, in)) * O``
     (torch.optim.Muon with ``adjust_lr_fn="match_rms_adamw"``, which only takes 2-D parameters).
 
-    Sharded parameters (FSDP2, tensor parallelism, both) get the update of the whole matrix: each update
-    is gathered, every process orthogonalizes the same stack, and each adds its own elements of the result;
-    the momentum stays sharded. So a sharded run takes the steps one process takes."""
+    Sharded parameters (FSDP2, tensor parallelism; ``resolve()`` refuses fsdp+tp) get the update of the whole
+    matrix: each update is gathered over all processes (the meshes span them all), every process
+    orthogonalizes the same stack and adds its own elements of the result; the momentum stays sharded. So a
+    sharded run takes the steps one process takes."""
 
     def __init__(
         self,
