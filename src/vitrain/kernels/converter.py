@@ -147,18 +147,27 @@ def _swap(module: nn.Module, fused: type[nn.Module]) -> None:
     module.__class__ = fused  # a subclass that only overrides forward: same state, same hooks
 
 
+def owned_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the plain linear layers of attention and FFN modules (:data:`LINEAR_OWNERS`): the ones
+    the fused kernels and FP8 swap (classifier heads, patch embeddings and SE gates are not among them)."""
+    owned = {
+        id(child) for module in model.modules() if isinstance(module, LINEAR_OWNERS) for child in module.children()
+    }
+    return [
+        (name, module) for name, module in model.named_modules() if type(module) is nn.Linear and id(module) in owned
+    ]
+
+
 def convert(model: nn.Module) -> int:
     """Swap ``model``'s modules for the fused ones, in place; returns how many were swapped. Call it on
     the plain model, before parallelism and the optimizer (it keeps the parameter objects, so either order
     works). Where the extension is not loaded the fused modules run the plain forward."""
-    swapped = 0
+    linears = owned_linears(model)
+    for _, linear_module in linears:
+        _swap(linear_module, FusedLinear)
+    swapped = len(linears)
     for module in list(model.modules()):
         owner = type(module)
-        if isinstance(module, LINEAR_OWNERS):
-            for child in module.children():
-                if type(child) is nn.Linear:
-                    _swap(child, FusedLinear)
-                    swapped += 1
         attribute = _DEPTHWISE_OWNERS.get(owner)
         if attribute is not None and type(getattr(module, attribute)) is nn.Conv2d:
             _swap(getattr(module, attribute), FusedDepthwiseConv2d)

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from vitrain.kernels.converter import LINEAR_OWNERS
+from vitrain.kernels.converter import owned_linears
 
 SCALINGS = ("tensorwise", "rowwise")
 ALIGNMENT = 16
@@ -27,17 +27,12 @@ ALIGNMENT = 16
 
 
 def selected_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the linear layers ``precision=fp8`` runs in FP8, in the model's order."""
-    owners = {
-        id(child) for module in model.modules() if isinstance(module, LINEAR_OWNERS) for child in module.children()
-    }
+    """(name, module) of the linear layers ``precision=fp8`` runs in FP8, in the model's order: the fused
+    kernels' (:func:`~vitrain.kernels.converter.owned_linears`) whose sides are multiples of 16."""
     return [
         (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear
-        and id(module) in owners
-        and module.in_features % ALIGNMENT == 0
-        and module.out_features % ALIGNMENT == 0
+        for name, module in owned_linears(model)
+        if module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0
     ]
 
 

@@ -8,6 +8,7 @@ forever.
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 
@@ -36,7 +37,7 @@ class Heartbeat:
 
     def last_steps(self) -> dict[int, tuple[int, float] | None]:
         """Per rank, (last finished step, seconds since), or None where the rank never recorded one."""
-        self.store.set_timeout(_timedelta(READ_TIMEOUT_S))
+        self.store.set_timeout(datetime.timedelta(seconds=READ_TIMEOUT_S))
         now, found = time.time(), {}
         for rank in range(self.size):
             key = KEY.format(rank=rank)
@@ -76,9 +77,3 @@ def describe_lost(steps: dict[int, tuple[int, float] | None], me: int, timeout_s
         f"a peer died or hangs: {lost}; {where} and waited past parallel.timeout_s={timeout_s:g} ({cause}); "
         "see that rank's log, and raise parallel.timeout_s if its steps are legitimately that slow"
     )
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
