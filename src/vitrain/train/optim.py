@@ -150,16 +150,21 @@ def shards_rows(parameter: torch.Tensor) -> bool:
     )
 
 
-def gather_rows(local: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Every process's rows of a matrix, stacked in rank order (the matrix with its rows permuted, which
-    Newton-Schulz orthogonalizes to the rows of the same permutation), and where this process's rows start."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    counts = [torch.zeros((), dtype=torch.long, device=local.device) for _ in range(world)]
+def row_counts(local: torch.Tensor) -> list[int]:
+    """How many rows each process holds of a row-sharded matrix (``local``: this process's rows)."""
+    counts = [torch.zeros((), dtype=torch.long, device=local.device) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(counts, torch.tensor(len(local), device=local.device))
-    sizes = [int(count) for count in counts]
+    return [int(count) for count in counts]
+
+
+def gather_rows(local: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    """Every process's rows of a matrix (``sizes``: :func:`row_counts`), stacked in rank order (the matrix
+    with its rows permuted, which Newton-Schulz orthogonalizes to the rows of the same permutation), and
+    where this process's rows start."""
+    rank = torch.distributed.get_rank()
     padded = local.new_zeros((max(sizes), *local.shape[1:]))
     padded[: len(local)] = local
-    pieces = [torch.empty_like(padded) for _ in range(world)]
+    pieces = [torch.empty_like(padded) for _ in sizes]
     torch.distributed.all_gather(pieces, padded)
     return torch.cat([piece[:size] for piece, size in zip(pieces, sizes, strict=True)]), sum(sizes[:rank])
 
@@ -195,6 +200,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.ns_steps, self.orthogonalize_dtype = ns_steps, orthogonalize_dtype
         self.fused, self.foreach = fused, foreach
+        self._row_counts: dict[int, list[int]] = {}  # per row-sharded parameter: each process's rows
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -217,7 +223,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
             buffer.lerp_(parameter.grad, 1 - momentum)
-            update, start = self._whole_matrix(parameter.grad.lerp(buffer, momentum))
+            update, start = self._whole_matrix(parameter, parameter.grad.lerp(buffer, momentum))
             by_shape.setdefault(tuple(update.shape), []).append((parameter, update, start))
         for shape, triples in by_shape.items():  # the blocks repeat their shapes: one batched iteration each
             parameters, updates, starts = zip(*triples, strict=True)
@@ -228,13 +234,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 own = self._own_part(matrix.to(parameter.dtype), parameter, start)
                 (parameter.to_local() if isinstance(parameter, DTensor) else parameter).add_(own, alpha=-step_size)
 
-    @staticmethod
-    def _whole_matrix(update: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """The whole ``(rows, -1)`` matrix of an update and where this process's rows start in it (None: the
-        matrix is in its own order): row shards are gathered as rows, other DTensors whole."""
+    def _whole_matrix(self, parameter: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """The whole ``(rows, -1)`` matrix of ``parameter``'s update and where this process's rows start in it
+        (None: the matrix is in its own order): row shards are gathered as rows (each shard's row count asked
+        once per parameter), other DTensors whole."""
         if shards_rows(update):
             local = update.to_local()
-            return gather_rows(local.reshape(len(local), -1))
+            local = local.reshape(len(local), -1)
+            sizes = self._row_counts.get(id(parameter))
+            if sizes is None:
+                sizes = self._row_counts[id(parameter)] = row_counts(local)
+            return gather_rows(local, sizes)
         return (update.full_tensor() if isinstance(update, DTensor) else update).reshape(len(update), -1), None
 
     @staticmethod
