@@ -40,19 +40,21 @@ def _agent(args: list[str], port: int, job_id: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "-m", "vitrain", *args]
 
 
-def _run_together(commands: list[list[str] | str], env: dict[str, str]) -> list[tuple[int, str]]:
-    """Start every command at once (a string runs in bash), wait for all: (return code, output) of each."""
+def _run_together(commands: list[list[str] | str], env: dict[str, str] | list[dict[str, str]]) -> list[tuple[int, str]]:
+    """Start every command at once (a string runs in bash; ``env`` for all, or one for each), wait for all:
+    (return code, output) of each."""
+    envs = env if isinstance(env, list) else [env] * len(commands)
     processes = [
         subprocess.Popen(
             command,
             shell=isinstance(command, str),
             executable="/bin/bash" if isinstance(command, str) else None,
-            env=env,
+            env=command_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for command in commands
+        for command, command_env in zip(commands, envs, strict=True)
     ]
     results = []
     for process in processes:
@@ -138,6 +140,39 @@ def test_a_rank_killed_mid_run_comes_back_and_ends_as_an_uninterrupted_run(stand
         assert torch.equal(final[key], tensor), key
     steps = [record["step"] for record in read_jsonl(out_dir / "metrics.jsonl") if record["event"] == "train"]
     assert steps == sorted(set(steps)) and max(steps) == 6  # the restart logs on from its checkpoint
+
+
+ATTEMPT = """
+import os, sys, time, torch, torch.distributed as dist
+from vitrain.config import World
+from vitrain.parallel.distributed import close_distributed, init_distributed
+rank = int(os.environ["RANK"])
+time.sleep(float(sys.argv[1]))
+init_distributed(World(rank=rank, size=2, local_rank=rank), cuda=False, timeout_s=15)
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print("sum", int(total.item()))
+close_distributed()
+"""
+
+
+def test_a_restarted_attempt_never_reads_the_addresses_of_the_attempt_before():
+    """torchrun's agent keeps one store across restarts. Two processes start a group through it and exit
+    (attempt 0); in each restart one rank comes 1.5 s late, so its peer looks up the late rank's address
+    first: it must wait for the new one, not connect to the dead process's (gloo's "Connection refused" after
+    a restart, whenever the early rank is the one that connects). Each attempt's keys stay its own."""
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = _env(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent.port), WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True"
+    )
+    for attempt in range(4):
+        late_rank = None if attempt == 0 else attempt % 2
+        commands = [[sys.executable, "-c", ATTEMPT, "1.5" if rank == late_rank else "0"] for rank in range(2)]
+        envs = [{**env, "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(attempt)} for rank in range(2)]
+        results = _run_together(commands, envs)
+        assert all(code == 0 and "sum 3" in output for code, output in results), [out[-1500:] for _, out in results]
+    attempts = {key.split("/")[2] for key in agent.list_keys()}
+    assert attempts == {f"attempt_{attempt}" for attempt in range(4)}, agent.list_keys()
 
 
 def _with_peer_fault(mode: str, step: int, torchrun_options: list[str], train_args: list[str]):

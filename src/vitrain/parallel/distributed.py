@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,9 +37,11 @@ def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
         log.info("rendezvous from Slurm: %s", ", ".join(f"{key}={value}" for key, value in rendezvous.items()))
     if cuda:
         torch.cuda.set_device(world.local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
+        store=attempt_store(os.environ, world.size, timeout),
         device_id=torch.device("cuda", world.local_rank) if cuda else None,
         rank=world.rank,  # srun alone sets no RANK / WORLD_SIZE for env:// to read
         world_size=world.size,
@@ -47,6 +50,22 @@ def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
         global _host_group
         _host_group = dist.new_group(backend="gloo")
     log.info("process group: rank %d of %d (%s)", world.rank, world.size, dist.get_backend())
+
+
+def attempt_store(environ: Mapping[str, str], world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The torchrun agent's store, with this attempt's keys apart from every earlier attempt's; None where
+    torchrun shares no store (init_process_group then makes its own from MASTER_ADDR / MASTER_PORT).
+
+    The agent keeps one store for all its restarts (``--max-restarts``), and the process group's start-up keys
+    (each rank's gloo address, NCCL's unique id) do not name the attempt: after a restart, a rank could read
+    the address a killed peer had published and fail with "Connection refused". The agent's restart count
+    (the same on every node while the nodes restart together) keeps each attempt's keys apart."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
+        return None
+    agent = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"/vitrain/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def close_distributed() -> None:
