@@ -17,7 +17,7 @@ import os
 import sys
 
 from vitrain import __version__
-from vitrain.cli import bench, catalog, checkpoints, data, doctor, report, train
+from vitrain.cli import bench, catalog, checkpoints, data, doctor, forecast, report, train
 from vitrain.cli.common import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_PREEMPTED
 from vitrain.config import ConfigError
 
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     catalog._add_list_parsers(commands)
     bench._add_bench_parser(commands)
     bench._add_bench_data_parser(commands)
+    forecast._add_forecast_parser(commands)
     train._add_slurm_parser(commands)
     report._add_plot_parser(commands)
     data._add_check_data_parser(commands)
@@ -56,6 +57,7 @@ COMMANDS = {
     "list-models": catalog.command_list_models,
     "bench": bench.command_bench,
     "bench-data": bench.command_bench_data,
+    "forecast": forecast.command_forecast,
     "slurm": train.command_slurm,
     "check-data": data.command_check_data,
     "shard": data.command_shard,

@@ -35,10 +35,10 @@ def _add_bench_parser(commands) -> None:
         "--recipe", default=None, help="recipe whose model/optimizer settings apply (default: the plain defaults)"
     )
     _add_config_arguments(bench, with_recipe=False)
-    bench.add_argument("--model", required=True, help="registered model (see list-models)")
-    bench.add_argument("--image-size", type=int, required=True, help="input side in pixels")
-    bench.add_argument("--batch", type=int, required=True, help="images per step")
-    bench.add_argument("--precision", required=True, choices=["fp32", "bf16", "fp16", "fp8"])
+    bench.add_argument("--model", help="registered model (see list-models); required but with --comm")
+    bench.add_argument("--image-size", type=int, help="input side in pixels; required but with --comm")
+    bench.add_argument("--batch", type=int, help="images per step; required but with --comm")
+    bench.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"], help="required but with --comm")
     bench.add_argument(
         "--precision-mode", choices=["autocast", "o2", "full"], help="default: the recipe's; autocast without --recipe"
     )
@@ -77,6 +77,16 @@ def _add_bench_parser(commands) -> None:
         help="scaling sweep: comma-separated process counts (e.g. 1,2,4), each a torchrun of this bench with "
         "--batch images per process; reports scaling efficiency and a PNG",
     )
+    bench.add_argument(
+        "--comm",
+        action="store_true",
+        help="time all-reduce, all-gather and reduce-scatter from 4 KiB to 64 MiB over this machine's backend "
+        "(NCCL, or gloo on CPUs) at each --nproc count above 1 (default 2): bus GB/s and the latency + "
+        "bandwidth fit that `vitrain forecast --network FILE.json` reads",
+    )
+    bench.add_argument("--comm-worker", type=Path, help=argparse.SUPPRESS)
+    bench.add_argument("--comm-sizes", help=argparse.SUPPRESS)
+    bench.add_argument("--comm-cpu", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument(
         "--plot", type=Path, help="--ladder/--nproc: PNG path (default: <kind>-<model>.png, or beside --json)"
     )
@@ -131,6 +141,17 @@ def command_bench(args: argparse.Namespace) -> int:
         compile_mode=args.compile_mode,
         profile=args.profile,
     )
+    if args.comm_worker:
+        from vitrain.bench.comm import SIZES, comm_worker
+
+        sizes = tuple(int(size) for size in args.comm_sizes.split(",")) if args.comm_sizes else SIZES
+        comm_worker(args.comm_worker, sizes, args.repeats, args.comm_cpu)
+        return 0
+    if args.comm:
+        return _bench_comm(args)
+    missing = [flag for flag in ("model", "image_size", "batch", "precision") if getattr(args, flag) is None]
+    if missing:
+        raise ConfigError(f"bench: give --{', --'.join(name.replace('_', '-') for name in missing)} (or --comm)")
     if args.timm_eager and not (args.compare_timm and args.compile):
         raise ConfigError("--timm-eager times timm uncompiled beside a compiled run: add --compare-timm and --compile")
     base = get_recipe(args.recipe) if args.recipe else Config()
@@ -191,6 +212,26 @@ def command_bench_data(args: argparse.Namespace) -> int:
     if args.plot is not None:
         done = plot_decode(result, args.plot)
         print(f"plot: {args.plot}" if done else "no plot: matplotlib is not installed (pip install -e '.[plot]')")
+    return 0
+
+
+def _bench_comm(args: argparse.Namespace) -> int:
+    from vitrain.bench.comm import format_comm, run_comm
+    from vitrain.bench.scaling import parse_nproc
+    from vitrain.hardware import detect_hardware
+
+    try:
+        counts = parse_nproc(args.nproc or "2")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    config = build_config(Config(), args.config, args.overrides)
+    cpu = config.train.device == "cpu" or not detect_hardware(config.train.device).cuda_available
+    try:
+        result = run_comm(counts, args.repeats, cpu)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    print(format_comm(result))
+    _write_json(args.json, result)
     return 0
 
 
