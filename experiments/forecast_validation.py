@@ -44,20 +44,26 @@ def forecast(*args: str, out: Path) -> list[dict]:
     return json.loads(out.read_text())["rows"]
 
 
+def measure(path: Path, *args: str) -> None:
+    """``vitrain bench ARGS --json path``, unless ``path`` holds a measurement already (a rerun's forecasts
+    reuse it)."""
+    if not path.is_file():
+        vitrain("bench", *args, "--json", str(path))
+
+
 def local_rows(out: Path, models: list[tuple[str, int]], batch: int) -> list[dict]:
     comm = out / "comm.json"
-    vitrain("bench", "--comm", "--nproc", "2,4", "--json", str(comm))
+    measure(comm, "--comm", "--nproc", "2,4")
     rows = []
     for model, size in models:
         common = ["--model", model, "--image-size", str(size), "--precision", "fp32", "--set", "data.name=synthetic"]
         single = out / f"bench-{model}.json"
-        vitrain("bench", *common, "--batch", str(batch), "--json", str(single))
+        measure(single, *common, "--batch", str(batch))
         for strategy in ("ddp", "fsdp"):
             measured = out / f"scaling-{model}-{strategy}.json"
-            vitrain(
-                "bench", *common, "--batch", str(batch), "--nproc", "1,2,4",
-                "--set", f"parallel.strategy={strategy}", "--json", str(measured),
-            )  # fmt: skip
+            measure(
+                measured, *common, "--batch", str(batch), "--nproc", "1,2,4", "--set", f"parallel.strategy={strategy}"
+            )
             predicted = forecast(
                 "--bench", str(single), "--shared-host", "--network", str(comm), "--strategy", strategy,
                 "--devices", "1,2,4", "--num-classes", "10", out=out / f"forecast-{model}-{strategy}.json",

@@ -40,11 +40,15 @@ def test_ring_bytes_and_the_fit_recover_the_fabric():
     assert wire_bytes("all_gather", 800, 4) == wire_bytes("reduce_scatter", 800, 4) == 600
     assert ring_seconds("all_reduce", 1e9, 8, FABRIC, span_nodes=False) == pytest.approx(1.75e9 / 100e9 + 14 * 2e-6)
     assert ring_seconds("all_reduce", 1e9, 8, FABRIC, span_nodes=True) == pytest.approx(1.75e9 / 10e9 + 14 * 8e-6)
-    points = [
-        (ranks, size, ring_seconds("all_reduce", size, ranks, FABRIC, False)) for ranks in (2, 4) for size in (4e3, 4e6)
-    ]
-    fit = fit_alpha_beta(points)
-    assert fit["bus_gbs"] == pytest.approx(100.0, rel=1e-6) and fit["latency_us"] == pytest.approx(2.0, rel=1e-6)
+    for op in ("all_reduce", "reduce_scatter"):
+        points = [
+            (ranks, size, ring_seconds(op, size, ranks, FABRIC, False)) for ranks in (2, 4) for size in (4e3, 4e6)
+        ]
+        fit = fit_alpha_beta(op, points)
+        assert fit["bus_gbs"] == pytest.approx(100.0, rel=1e-6) and fit["latency_us"] == pytest.approx(2.0, rel=1e-6)
+    slow_gather = dataclasses.replace(FABRIC, measured=(("all_gather", 1.0, 50.0),))
+    assert ring_seconds("all_gather", 1e9, 2, slow_gather, False) == pytest.approx(0.5 + 50e-6)
+    assert ring_seconds("all_reduce", 1e9, 2, slow_gather, False) == ring_seconds("all_reduce", 1e9, 2, FABRIC, False)
 
 
 def test_one_device_is_the_measurement(vit_b):
@@ -110,6 +114,7 @@ def test_processes_sharing_a_machine_share_its_compute(vit_b):
     rows = forecast(vit_b, STEP, Layout("ddp", 64, shared_host=True), FABRIC, [1, 2, 4], None)
     assert [row["compute_s"] for row in rows] == pytest.approx([STEP.step_s * n for n in (1, 2, 4)])
     assert all(row["efficiency"] <= 1.0 for row in rows)  # the speed-up over one process
+    assert rows[2]["exposed_comm_s"] == rows[2]["comm_s"] > 0  # the same cores compute and communicate
 
 
 def test_forecast_cli_from_a_published_rate(tmp_path, capsys):
@@ -167,4 +172,4 @@ def test_bench_comm_times_the_collectives_of_two_gloo_processes():
     assert result["backend"] == "gloo" and len(result["rows"]) == 9
     assert {row["op"] for row in result["rows"]} == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(row["seconds"] > 0 and row["ranks"] == 2 for row in result["rows"])
-    assert result["fit"]["bus_gbs"] > 0
+    assert all(result["fit"][op]["bus_gbs"] > 0 for op in ("all_reduce", "all_gather", "reduce_scatter"))

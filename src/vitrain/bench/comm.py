@@ -1,7 +1,7 @@
 """``vitrain bench --comm``: all-reduce, all-gather and reduce-scatter timed at several message sizes over the
 backend at hand (NCCL on GPUs, gloo on CPUs), at each process count of ``--nproc``; bus bandwidth per point
-(nccl-tests' definition: the bytes each rank sends over the time) and a latency + bandwidth fit of the
-all-reduce times that ``vitrain forecast --network`` reads."""
+(nccl-tests' definition: the bytes each rank sends over the time) and a latency + bandwidth fit per
+collective that ``vitrain forecast --network`` reads."""
 
 from __future__ import annotations
 
@@ -109,9 +109,12 @@ def run_comm(counts: list[int], repeats: int, cpu: bool, sizes: tuple[int, ...] 
     if not runs:
         raise ValueError("--comm needs a process count above 1 in --nproc (e.g. --nproc 2,4)")
     rows = [row for run in runs for row in run["rows"]]
-    points = [(row["ranks"], row["bytes"], row["seconds"]) for row in rows if row["op"] == "all_reduce"]
+    fits = {
+        op: fit_alpha_beta(op, [(row["ranks"], row["bytes"], row["seconds"]) for row in rows if row["op"] == op])
+        for op in COLLECTIVES
+    }
     environment = {key: value for key, value in runs[0].items() if key != "rows"}
-    return {**environment, "world_size": max(counts), "rows": rows, "fit": fit_alpha_beta(points)}
+    return {**environment, "world_size": max(counts), "rows": rows, "fit": fits}
 
 
 def format_comm(result: dict[str, Any]) -> str:
@@ -122,9 +125,10 @@ def format_comm(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['op']} | {row['ranks']} | {label} | {1e6 * row['seconds']:.0f} µs | {row['bus_gbs']:.2f} |"
         )
-    fit = result["fit"]
-    lines.append(
-        f"\nall-reduce fit ({result['backend']}): {fit['bus_gbs']:.2f} GB/s bus bandwidth, "
-        f"{fit['latency_us']:.0f} µs per hop (largest error {100 * fit['max_relative_error']:.0f} %)"
-    )
+    lines.append(f"\nfits ({result['backend']}): time = hops x latency + bytes sent / bus bandwidth")
+    for op, fit in result["fit"].items():
+        lines.append(
+            f"- {op}: {fit['bus_gbs']:.2f} GB/s, {fit['latency_us']:.0f} µs per hop "
+            f"(largest error {100 * fit['max_relative_error']:.0f} %)"
+        )
     return "\n".join(lines)

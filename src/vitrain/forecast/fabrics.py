@@ -1,5 +1,5 @@
 """The network between devices: named presets for common fabrics (each with its source) or figures
-measured with ``vitrain bench --comm``, and the time of a ring collective over it.
+measured with ``vitrain bench --comm`` (one fit per collective), and the time of a ring collective over it.
 
 Bandwidths are per direction, in GB/s (1e9 bytes). ``intra_gbs`` is what one device can send inside its
 node; ``inter_gbs`` is what one node can send to the others, all its network ports together. A ring that
@@ -28,9 +28,15 @@ class Fabric:
     intra_latency_us: float
     inter_latency_us: float
     source: str
+    measured: tuple[tuple[str, float, float], ...] = ()
+    """Per collective ``(op, bus GB/s, µs per hop)`` from ``bench --comm`` (gloo's all-gather and
+    reduce-scatter run at a third of its all-reduce's rate); a preset has none: one figure for all."""
 
-    def link(self, ranks: int, span_nodes: bool) -> tuple[float, float]:
-        """(bytes/s, seconds per hop) of a ring over ``ranks`` devices, inside a node or across nodes."""
+    def link(self, op: str, span_nodes: bool) -> tuple[float, float]:
+        """(bytes/s, seconds per hop) of a ring ``op``, inside a node or across nodes."""
+        for name, gbs, latency_us in self.measured:
+            if name == op:
+                return 1e9 * gbs, 1e-6 * latency_us
         if span_nodes:
             return 1e9 * min(self.intra_gbs, self.inter_gbs), 1e-6 * self.inter_latency_us
         return 1e9 * self.intra_gbs, 1e-6 * self.intra_latency_us
@@ -121,13 +127,14 @@ def fabric_from_comm_bench(path: Path, devices_per_node: int | None = None) -> F
     to its all-reduce times, for both intra- and inter-node (one machine measured: the same figures)."""
     try:
         record = json.loads(Path(path).read_text())
-        fit = record["fit"]
-        gbs, latency_us = float(fit["bus_gbs"]), float(fit["latency_us"])
+        fits = record["fit"]
+        measured = tuple((op, float(fits[op]["bus_gbs"]), float(fits[op]["latency_us"])) for op in COLLECTIVES)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--network {path}: not a `vitrain bench --comm --json` record ({error})") from None
     per_node = devices_per_node or int(record.get("world_size", 1))
     source = f"measured by vitrain bench --comm ({record.get('backend', '?')}, {record.get('world_size')} processes)"
-    return Fabric(f"measured:{Path(path).name}", per_node, gbs, gbs, latency_us, latency_us, source)
+    _, gbs, latency_us = measured[0]
+    return Fabric(f"measured:{Path(path).name}", per_node, gbs, gbs, latency_us, latency_us, source, measured)
 
 
 def resolve_fabric(text: str, devices_per_node: int | None = None) -> Fabric:
@@ -158,15 +165,18 @@ def ring_seconds(op: str, size: float, ranks: int, fabric: Fabric, span_nodes: b
     """Time of a ring ``op`` of ``size`` bytes: bytes sent over the bus bandwidth, plus a latency per hop."""
     if ranks <= 1 or size <= 0:
         return 0.0
-    bandwidth, hop = fabric.link(ranks, span_nodes)
-    hops = (2 if op == "all_reduce" else 1) * (ranks - 1)
-    return wire_bytes(op, size, ranks) / bandwidth + hops * hop
+    bandwidth, hop = fabric.link(op, span_nodes)
+    return wire_bytes(op, size, ranks) / bandwidth + hops(op, ranks) * hop
 
 
-def fit_alpha_beta(points: list[tuple[int, int, float]]) -> dict[str, Any]:
-    """Least-squares ``t = hops * latency + wire_bytes / bandwidth`` over all-reduce times ``(ranks, bytes,
-    seconds)``; returns bus GB/s and µs per hop, with the fit's largest relative error."""
-    rows = [(2 * (ranks - 1), wire_bytes("all_reduce", size, ranks), seconds) for ranks, size, seconds in points]
+def hops(op: str, ranks: int) -> int:
+    return (2 if op == "all_reduce" else 1) * (ranks - 1)
+
+
+def fit_alpha_beta(op: str, points: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """Least-squares ``t = hops * latency + wire_bytes / bandwidth`` over the times of ring ``op`` at
+    ``(ranks, bytes, seconds)``; returns bus GB/s and µs per hop, with the fit's largest relative error."""
+    rows = [(hops(op, ranks), wire_bytes(op, size, ranks), seconds) for ranks, size, seconds in points]
     # weights 1/t: relative errors count, not the large messages' absolute ones
     sxx = sum((h / t) ** 2 for h, _, t in rows)
     syy = sum((b / t) ** 2 for _, b, t in rows)
@@ -175,11 +185,11 @@ def fit_alpha_beta(points: list[tuple[int, int, float]]) -> dict[str, Any]:
     sy1 = sum(b / t for _, b, t in rows)
     det = sxx * syy - sxy * sxy
     if det <= 0:
-        raise ValueError("the all-reduce times do not determine a latency and a bandwidth")
+        raise ValueError(f"the {op} times do not determine a latency and a bandwidth")
     latency = (sx1 * syy - sy1 * sxy) / det
     inverse_bw = (sxx * sy1 - sxy * sx1) / det
     if inverse_bw <= 0:
-        raise ValueError("the all-reduce times did not grow with the message size")
+        raise ValueError(f"the {op} times did not grow with the message size")
     latency = max(latency, 0.0)
     worst = max(abs(h * latency + b * inverse_bw - t) / t for h, b, t in rows)
     return {"bus_gbs": 1 / inverse_bw / 1e9, "latency_us": 1e6 * latency, "max_relative_error": worst}

@@ -5,12 +5,13 @@ img/s, memory per device, bytes on the wire, what storage must serve, and the fi
 Compute. The measured single-device step time at the measured batch, scaled linearly to the per-device
 micro-batch; forward one third of it, backward two thirds, each spread over the FSDP units by their FLOPs.
 Tensor parallelism divides the FLOPs of the layers it splits by its degree. Processes that share one
-machine's cores (``shared_host``: the local CPU check) share its compute: N of them take N times as long.
+machine's cores (``shared_host``: the local CPU check) share its compute: N of them take N times as long,
+and their collectives run on the same cores, so nothing overlaps.
 
 Communication (ring collectives over :class:`~vitrain.forecast.fabrics.Fabric`; a group that spans nodes
 runs at the slower of NVLink and the node's network):
 
-- DDP all-reduces the gradients in 25 MB buckets as the backward produces them (last unit first), once per
+- DDP all-reduces the gradients in buckets (1 MiB, then 25 MiB) as the backward produces them (last unit first), once per
   optimizer step (``no_sync`` for the other micro-steps); the exposed time is what runs past the backward.
 - FSDP2 all-gathers each unit's parameters before its forward (the next one prefetched while one computes),
   again before its backward when resharded after the forward, and reduce-scatters its gradients after its
@@ -38,6 +39,9 @@ from vitrain.forecast.fabrics import Fabric, nodes_spanned, ring_seconds, wire_b
 from vitrain.forecast.sizes import ModelSizes
 
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""DistributedDataParallel's defaults: the first bucket (the last layers' gradients) holds 1 MiB, so the
+all-reduce starts early in the backward; the others 25 MiB."""
 SHARD_READ_BYTES = 2**20
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lamb": 8, "lars": 4, "sgd": 4, "muon": 4}
 """Optimizer state per parameter (fp32): AdamW's two moments, SGD's and Muon's momentum."""
@@ -101,7 +105,7 @@ def _ddp_backward(sizes: ModelSizes, backward_s: float, grad_bytes: int, ranks: 
     for unit in reversed(sizes.units):
         clock += backward_s * unit.flops / sizes.flops
         bucket += unit.params * grad_bytes
-        if bucket >= DDP_BUCKET_BYTES or unit is sizes.units[0]:
+        if bucket >= (DDP_BUCKET_BYTES if wire else DDP_FIRST_BUCKET_BYTES) or unit is sizes.units[0]:
             seconds = ring_seconds("all_reduce", bucket, ranks, fabric, span)
             comm_free = max(clock, comm_free) + seconds
             wire += wire_bytes("all_reduce", bucket, ranks)
@@ -182,6 +186,8 @@ def forecast_row(
             sizes, forward_s, backward_s, gather_bytes, reduce_bytes, layout.reshard_after_forward, dp, fabric, span
         )
         wire, busy, exposed = w * layout.accumulation, b * layout.accumulation, e * layout.accumulation
+    if layout.shared_host:  # the collectives run on the cores that compute: nothing overlaps
+        exposed = busy
     if tp > 1:
         activation = micro * sizes.block_output_numel * (2 if low or measured.precision != "fp32" else 4)
         per_block = 4 * ring_seconds("all_reduce", activation, tp, fabric, False)
