@@ -29,7 +29,7 @@ def format_forecast(result: dict[str, Any]) -> str:
     epochs = inputs.get("epochs")
     header = "| devices | nodes | global batch | img/s | img/s/device | efficiency | step ms | exposed comm ms "
     header += "| wire MB/step | memory GiB | fits | storage GB/s | IOPS | epoch | "
-    header += f"{epochs} epochs | limit |" if epochs else "limit |"
+    header += f"{epochs:g} epochs | limit |" if epochs else "limit |"
     lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
     for row in result["rows"]:
         memory = row["memory_bytes"]
