@@ -216,8 +216,9 @@ def muon_reference(tmp_path_factory):
     [
         (2, ["parallel.strategy=fsdp"]),
         (2, ["parallel.strategy=tp"]),
+        (4, ["parallel.strategy=fsdp"]),
     ],
-    ids=["fsdp", "tp"],
+    ids=["fsdp", "tp", "fsdp-4"],
 )
 def test_sharded_muon_takes_the_one_process_steps(muon_reference, tmp_path, nproc, settings):
     """Muon under FSDP2 and TP orthogonalizes each whole update (gathered, then cut back to the shard), so
