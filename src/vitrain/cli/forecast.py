@@ -179,33 +179,37 @@ def command_forecast(args: argparse.Namespace) -> int:
         rows = forecast(sizes, measured, layout, fabric, counts, data)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    layout_text = f"{layout.strategy}" + (f" + TP {layout.tensor_parallel}" if layout.tensor_parallel > 1 else "")
-    layout_text += f", {layout.batch_per_device}/device" + (
-        f" x {layout.accumulation} micro-steps" if layout.accumulation > 1 else ""
-    )
-    result = {
-        "inputs": {
-            "model": model,
-            "image_size": image_size,
-            "layout": layout_text,
-            "network": f"{fabric.name} ({fabric.devices_per_node}/node)",
-            "network_source": fabric.source,
-            "measured": f"{measured.source}: {1e3 * measured.step_s:.1f} ms per step of {measured.batch} on "
-            f"{measured.device_name}, {measured.precision} {measured.precision_mode}, {measured.optimizer}",
-            "data": data.source if data else None,
-            "epochs": args.epochs,
-            "model_sizes": sizes.as_dict() | {"units": len(sizes.units)},
-            "measured_step": dataclasses.asdict(measured),
-            "layout_fields": dataclasses.asdict(layout),
-            "fabric": dataclasses.asdict(fabric),
-        },
-        "rows": rows,
-    }
+    result = {"inputs": _inputs_record(sizes, measured, layout, fabric, data, args.epochs), "rows": rows}
     print(format_forecast(result))
     _write_json(args.json, result)
     if args.plot is not None:
         print(f"plot: {args.plot}" if plot_forecast(result, args.plot) else "no plot: matplotlib is not installed")
     return 0
+
+
+def _inputs_record(sizes, measured, layout, fabric, data, epochs: float | None) -> dict[str, Any]:
+    """What the forecast started from, in words (the table's header) and in full (the JSON)."""
+    import dataclasses
+
+    layout_text = f"{layout.strategy}" + (f" + TP {layout.tensor_parallel}" if layout.tensor_parallel > 1 else "")
+    layout_text += f", {layout.batch_per_device}/device" + (
+        f" x {layout.accumulation} micro-steps" if layout.accumulation > 1 else ""
+    )
+    return {
+        "model": sizes.model,
+        "image_size": sizes.image_size,
+        "layout": layout_text,
+        "network": f"{fabric.name} ({fabric.devices_per_node}/node)",
+        "network_source": fabric.source,
+        "measured": f"{measured.source}: {1e3 * measured.step_s:.1f} ms per step of {measured.batch} on "
+        f"{measured.device_name}, {measured.precision} {measured.precision_mode}, {measured.optimizer}",
+        "data": data.source if data else None,
+        "epochs": epochs,
+        "model_sizes": sizes.as_dict(),
+        "measured_step": dataclasses.asdict(measured),
+        "layout_fields": dataclasses.asdict(layout),
+        "fabric": dataclasses.asdict(fabric),
+    }
 
 
 def _data(args: argparse.Namespace, read_data) -> Any:

@@ -157,43 +157,52 @@ def _fsdp_step(
     return wire, busy, max(0.0, max(comm_free, compute) - (forward_s + backward_s))
 
 
-def forecast_row(
-    devices: int, sizes: ModelSizes, measured: Measured, layout: Layout, fabric: Fabric, data: Data | None
-) -> dict[str, Any]:
-    """The forecast at ``devices`` devices (a multiple of the tensor-parallel degree)."""
-    tp = layout.tensor_parallel
-    dp = devices // tp
-    nodes = nodes_spanned(devices, fabric.devices_per_node)
-    span = nodes > 1
-    micro = layout.batch_per_device
-    compute = measured.step_s * micro / measured.batch
-    if tp > 1:
+def _compute_s(devices: int, sizes: ModelSizes, measured: Measured, layout: Layout) -> float:
+    """One micro-step's compute on one device: the measured step at the micro-batch, tensor parallelism's
+    split layers divided by its degree, times the processes sharing one machine's cores."""
+    compute = measured.step_s * layout.batch_per_device / measured.batch
+    if layout.tensor_parallel > 1:
         split = sum(unit.tp_flops for unit in sizes.units) / sizes.flops
-        compute *= 1 - split + split / tp
-    if layout.shared_host:
-        compute *= devices
-    forward_s, backward_s = compute / 3, 2 * compute / 3
+        compute *= 1 - split + split / layout.tensor_parallel
+    return compute * devices if layout.shared_host else compute
+
+
+def _communication(
+    devices: int, compute: float, sizes: ModelSizes, measured: Measured, layout: Layout, fabric: Fabric
+) -> tuple[float, float, float]:
+    """(wire bytes, comm seconds, exposed seconds) of one optimizer step: data parallelism's collectives
+    (overlapped as DDP or FSDP2 overlap them), tensor parallelism's and Muon's (not overlapped)."""
+    tp, accumulation = layout.tensor_parallel, layout.accumulation
+    dp, span = devices // tp, nodes_spanned(devices, fabric.devices_per_node) > 1
     low = measured.low_precision_weights()
     wire = busy = exposed = 0.0
     if dp > 1 and layout.strategy == "ddp":
-        grad_bytes = 2 if low else 4
-        w, b, e = _ddp_backward(sizes, backward_s, grad_bytes, dp, fabric, span)
-        wire, busy, exposed = w, b, e
+        wire, busy, exposed = _ddp_backward(sizes, 2 * compute / 3, 2 if low else 4, dp, fabric, span)
     elif dp > 1 and layout.strategy == "fsdp":
-        gather_bytes = 2 if low else 4
         reduce_bytes = 2 if measured.precision_mode == "full" and low else 4
-        w, b, e = _fsdp_step(
-            sizes, forward_s, backward_s, gather_bytes, reduce_bytes, layout.reshard_after_forward, dp, fabric, span
+        wire, busy, exposed = (
+            value * accumulation
+            for value in _fsdp_step(
+                sizes,
+                compute / 3,
+                2 * compute / 3,
+                2 if low else 4,
+                reduce_bytes,
+                layout.reshard_after_forward,
+                dp,
+                fabric,
+                span,
+            )  # fmt: skip
         )
-        wire, busy, exposed = w * layout.accumulation, b * layout.accumulation, e * layout.accumulation
     if layout.shared_host:  # the collectives run on the cores that compute: nothing overlaps
         exposed = busy
     if tp > 1:
-        activation = micro * sizes.block_output_numel * (2 if low or measured.precision != "fp32" else 4)
-        per_block = 4 * ring_seconds("all_reduce", activation, tp, fabric, False)
-        blocks = len(sizes.units) - 1
-        tp_s = per_block * blocks * layout.accumulation
-        wire += 4 * blocks * wire_bytes("all_reduce", activation, tp) * layout.accumulation
+        activation = (
+            layout.batch_per_device * sizes.block_output_numel * (2 if low or measured.precision != "fp32" else 4)
+        )
+        calls = 4 * (len(sizes.units) - 1) * accumulation  # two row-parallel layers per block, forward and backward
+        tp_s = calls * ring_seconds("all_reduce", activation, tp, fabric, False)
+        wire += calls * wire_bytes("all_reduce", activation, tp)
         busy += tp_s
         exposed += tp_s
     if measured.optimizer == "muon" and devices > 1 and (layout.strategy == "fsdp" or tp > 1):
@@ -202,27 +211,34 @@ def forecast_row(
         wire += wire_bytes("all_gather", size, devices)
         busy += muon_s
         exposed += muon_s
+    return wire, busy, exposed
+
+
+def forecast_row(
+    devices: int, sizes: ModelSizes, measured: Measured, layout: Layout, fabric: Fabric, data: Data | None
+) -> dict[str, Any]:
+    """The forecast at ``devices`` devices (a multiple of the tensor-parallel degree)."""
+    dp = devices // layout.tensor_parallel
+    nodes = nodes_spanned(devices, fabric.devices_per_node)
+    compute = _compute_s(devices, sizes, measured, layout)
+    wire, busy, exposed = _communication(devices, compute, sizes, measured, layout, fabric)
     step_s = compute * layout.accumulation + exposed
-    global_batch = micro * dp * layout.accumulation
-    img_s = global_batch / step_s
+    global_batch = layout.batch_per_device * dp * layout.accumulation
     memory = _memory(sizes, measured, layout, dp)
     row = {
         "devices": devices,
         "nodes": nodes,
         "data_parallel": dp,
-        "tensor_parallel": tp,
+        "tensor_parallel": layout.tensor_parallel,
         "global_batch": global_batch,
-        "step_s": step_s,
         "compute_s": compute * layout.accumulation,
         "comm_s": busy,
         "exposed_comm_s": exposed,
         "wire_bytes_per_step": wire,
-        "img_s": img_s,
-        "img_s_per_device": img_s / devices,
         "memory_bytes": memory,
         "fits": _fits(memory, layout, devices),
     }
-    limits = {"compute": img_s}
+    limits = {"compute": global_batch / step_s}
     if data is not None:
         if data.storage_gbs:
             limits["storage"] = data.storage_gbs * 1e9 / data.mean_file_bytes
@@ -234,9 +250,7 @@ def forecast_row(
     row["step_s"] = global_batch / row["img_s"]  # the devices wait for data when it is the limit
     if bound == "compute" and exposed > 0.1 * step_s:
         bound = "network"
-    if row["fits"] is False:
-        bound = "memory"
-    row["limit"] = bound
+    row["limit"] = "memory" if row["fits"] is False else bound
     if data is not None:
         row["storage_gbs"] = row["img_s"] * data.mean_file_bytes / 1e9
         per_image_io = data.mean_file_bytes / SHARD_READ_BYTES if data.shards else 1.0
