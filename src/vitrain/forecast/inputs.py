@@ -11,9 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vitrain.data.sources import IMAGE_EXTENSIONS
 from vitrain.forecast.model import Data, Measured
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 
 DEVICE_MEMORY_GB: tuple[tuple[str, float], ...] = (
     (r"H200", 141.0),
@@ -68,8 +67,8 @@ def measured_from_bench(record: dict[str, Any], source: str) -> Measured:
 
 
 def read_data(text: str, seed: int = 0) -> Data:
-    """The data from a ``bench-data --json`` record or a folder of images (counted; the mean size of up to
-    2,000 files drawn at random)."""
+    """The data from a ``bench-data --json`` record or a folder of images (those the loaders read, counted;
+    the mean size of up to 2,000 files drawn at random)."""
     path = Path(text)
     if path.is_file():
         try:
@@ -85,10 +84,10 @@ def read_data(text: str, seed: int = 0) -> Data:
             os.path.join(folder, name)
             for folder, _, names in os.walk(path)
             for name in names
-            if name.lower().endswith(IMAGE_SUFFIXES)
+            if name.lower().endswith(IMAGE_EXTENSIONS)
         ]
         if not files:
-            raise ValueError(f"--data {text}: no image files ({', '.join(IMAGE_SUFFIXES)}) under it")
+            raise ValueError(f"--data {text}: no image files ({', '.join(IMAGE_EXTENSIONS)}) under it")
         sample = random.Random(seed).sample(files, min(len(files), 2000))
         mean = sum(os.path.getsize(name) for name in sample) / len(sample)
         return Data(len(files), mean, source=f"the folder {text}")

@@ -11,10 +11,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from vitrain.models import build_model, model_spec
-
-TP_LAYERS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
-"""The linears tensor parallelism splits (vitrain.parallel.parallelize.apply_tensor_parallel)."""
+from vitrain.models import build_model, model_spec, num_parameters
+from vitrain.parallel.parallelize import TENSOR_PARALLEL_LAYERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +54,9 @@ class ModelSizes:
         return record
 
 
-def model_sizes(model_name: str, image_size: int, num_classes: int) -> ModelSizes:
-    """Count ``model_name`` at ``image_size`` px with ``num_classes`` outputs (one image through it on meta)."""
-    overrides: dict[str, Any] = {"num_classes": num_classes}
-    args = model_spec(model_name).args
-    if hasattr(args, "img_size"):
-        overrides["img_size"] = image_size
-    model = build_model(model_name, device="meta", **overrides)
-    blocks = model.block_modules()
-    names = {module: name for name, module in model.named_modules()}
-    block_names = [names[block] for block in blocks]
+def _trace(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor) -> tuple[dict, dict[str, int]]:
+    """One forward of ``x``: the FLOP counter's per-module counts, and the output elements of every leaf
+    module and every block, by module name."""
     outputs: dict[str, int] = {}
 
     def record(name: str):
@@ -80,12 +71,27 @@ def model_sizes(model_name: str, image_size: int, num_classes: int) -> ModelSize
         for name, module in model.named_modules()
         if not list(module.children()) or module in blocks
     ]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counter.get_flop_counts(), outputs
+
+
+def model_sizes(model_name: str, image_size: int, num_classes: int) -> ModelSizes:
+    """Count ``model_name`` at ``image_size`` px with ``num_classes`` outputs (one image through it on meta)."""
+    overrides: dict[str, Any] = {"num_classes": num_classes}
+    args = model_spec(model_name).args
+    if hasattr(args, "img_size"):
+        overrides["img_size"] = image_size
+    model = build_model(model_name, device="meta", **overrides)
+    blocks = model.block_modules()
+    names = {module: name for name, module in model.named_modules()}
+    block_names = [names[block] for block in blocks]
     x = torch.empty(1, getattr(args, "in_chans", 3), image_size, image_size, device="meta")
-    with FlopCounterMode(display=False) as counter:
-        model(x)
-    for handle in handles:
-        handle.remove()
-    counts = counter.get_flop_counts()
+    counts, outputs = _trace(model, blocks, x)
     prefix = type(model).__name__
 
     def flops_of(name: str) -> int:
@@ -94,11 +100,11 @@ def model_sizes(model_name: str, image_size: int, num_classes: int) -> ModelSize
     total = flops_of("")
     units = []
     for name, block in zip(block_names, blocks, strict=True):
-        split = sum(flops_of(f"{name}.{layer}") for layer in TP_LAYERS)
+        split = sum(flops_of(f"{name}.{layer}") for layer in TENSOR_PARALLEL_LAYERS)
         attention = flops_of(f"{name}.attn") - flops_of(f"{name}.attn.qkv") - flops_of(f"{name}.attn.proj")
         params = sum(parameter.numel() for parameter in block.parameters())
         units.append(Unit(name, params, flops_of(name), split + max(attention, 0) if split else 0))
-    params = sum(parameter.numel() for parameter in model.parameters())
+    params = num_parameters(model)
     root = Unit("root", params - sum(unit.params for unit in units), total - sum(unit.flops for unit in units), 0)
     matrices = sum(p.numel() for block in blocks for p in block.parameters() if p.ndim >= 2)
     leaves = {name: numel for name, numel in outputs.items() if name not in block_names}

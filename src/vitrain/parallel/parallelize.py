@@ -89,15 +89,15 @@ def _local_rows_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, as_row_shard(module.weight), as_row_shard(module.bias))
 
 
+TENSOR_PARALLEL_LAYERS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+"""The linears of every block that tensor parallelism splits: column-, row-, column-, row-parallel."""
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split every ViT block's attention heads and FFN columns over ``mesh`` (resolve() admitted only
     models whose blocks have a fused-qkv ``attn`` and a two-layer ``mlp``)."""
-    plan = {
-        "attn.qkv": FusedQKVColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "mlp.fc1": ColwiseParallel(),
-        "mlp.fc2": RowwiseParallel(),
-    }
+    styles = (FusedQKVColwiseParallel(), RowwiseParallel(), ColwiseParallel(), RowwiseParallel())
+    plan = dict(zip(TENSOR_PARALLEL_LAYERS, styles, strict=True))
     for block in model.block_modules():
         parallelize_module(block, mesh, plan)
 
