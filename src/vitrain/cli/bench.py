@@ -27,6 +27,20 @@ def _add_bench_window_arguments(bench) -> None:
     )
 
 
+def _add_bench_comm_arguments(bench) -> None:
+    """``--comm``, and the hidden flags of each torchrun process it starts."""
+    bench.add_argument(
+        "--comm",
+        action="store_true",
+        help="time all-reduce, all-gather and reduce-scatter from 4 KiB to 64 MiB over this machine's backend "
+        "(NCCL, or gloo on CPUs) at each --nproc count above 1 (default 2): bus GB/s and the latency + "
+        "bandwidth fit that `vitrain forecast --network FILE.json` reads",
+    )
+    bench.add_argument("--comm-worker", type=Path, help=argparse.SUPPRESS)
+    bench.add_argument("--comm-sizes", help=argparse.SUPPRESS)
+    bench.add_argument("--comm-cpu", action="store_true", help=argparse.SUPPRESS)
+
+
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="time training steps on synthetic data: img/s, MFU, peak memory (optionally against timm)"
@@ -77,16 +91,7 @@ def _add_bench_parser(commands) -> None:
         help="scaling sweep: comma-separated process counts (e.g. 1,2,4), each a torchrun of this bench with "
         "--batch images per process; reports scaling efficiency and a PNG",
     )
-    bench.add_argument(
-        "--comm",
-        action="store_true",
-        help="time all-reduce, all-gather and reduce-scatter from 4 KiB to 64 MiB over this machine's backend "
-        "(NCCL, or gloo on CPUs) at each --nproc count above 1 (default 2): bus GB/s and the latency + "
-        "bandwidth fit that `vitrain forecast --network FILE.json` reads",
-    )
-    bench.add_argument("--comm-worker", type=Path, help=argparse.SUPPRESS)
-    bench.add_argument("--comm-sizes", help=argparse.SUPPRESS)
-    bench.add_argument("--comm-cpu", action="store_true", help=argparse.SUPPRESS)
+    _add_bench_comm_arguments(bench)
     bench.add_argument(
         "--plot", type=Path, help="--ladder/--nproc: PNG path (default: <kind>-<model>.png, or beside --json)"
     )
