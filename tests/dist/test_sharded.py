@@ -217,8 +217,9 @@ def muon_reference(tmp_path_factory):
         (2, ["parallel.strategy=fsdp"]),
         (2, ["parallel.strategy=tp"]),
         (4, ["parallel.strategy=fsdp"]),
+        pytest.param(4, ["parallel.strategy=fsdp+tp", "parallel.tp_size=2"], marks=FSDP_TP_RUNS),
     ],
-    ids=["fsdp", "tp", "fsdp-4"],
+    ids=["fsdp", "tp", "fsdp-4", "fsdp+tp"],
 )
 def test_sharded_muon_takes_the_one_process_steps(muon_reference, tmp_path, nproc, settings):
     """Muon under FSDP2 and TP orthogonalizes each whole update (gathered, then cut back to the shard), so

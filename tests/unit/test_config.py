@@ -385,11 +385,6 @@ def test_cli_exits_2_with_one_line(argv, needle, capsys):
             "tp with precision_mode=o2",
         ),
         (["parallel.strategy=fsdp", "parallel.fsdp_cpu_offload=true"], 2, "fsdp_cpu_offload=true needs"),
-        (
-            ["parallel.strategy=fsdp+tp", "parallel.tp_size=2", "model.num_heads=6", "optim.name=muon"],
-            4,
-            "optim.name=muon with parallel.strategy=fsdp+tp is not supported",
-        ),
         (["parallel.strategy=fsdp", "optim.name=lamb"], 2, "LAMB's trust ratio needs the norm"),
         (["parallel.strategy=tp", "model.num_heads=6", "optim.name=lamb"], 2, "LAMB's trust ratio needs the norm"),
     ],

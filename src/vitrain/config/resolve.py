@@ -321,11 +321,6 @@ def _check_optimizer_sees_whole_tensors(optimizer: str, strategy: str, world: Wo
         f"optim.name={optimizer} with parallel.strategy={strategy}: {WHOLE_TENSOR_OPTIMIZERS.get(optimizer)} and "
         "this strategy shards them; use parallel.strategy=ddp or optim.name=adamw",
     )
-    require(
-        not (optimizer == "muon" and strategy == "fsdp+tp" and world.size > 1),
-        "optim.name=muon with parallel.strategy=fsdp+tp is not supported (its steps drift from one process's on "
-        "the fused qkv's doubly strided shards); use parallel.strategy=fsdp or tp, or optim.name=adamw",
-    )
 
 
 FSDP_TP_MIN_TORCH = (2, 9)

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 
@@ -144,9 +145,11 @@ def orthogonalize(matrices: torch.Tensor, steps: int, dtype: torch.dtype = torch
 
 def shards_rows(parameter: torch.Tensor) -> bool:
     """A DTensor whose every mesh dimension shards its first dimension (FSDP2; column-parallel layers, the
-    fused qkv's strided shards; both at once): each process holds whole rows, every row on one process."""
+    fused qkv's strided shards; both at once): each process holds whole rows, every row on one process.
+    ``_StridedShard`` is named apart: torch 2.14's is no ``Shard`` subclass, and its ``full_tensor()`` of
+    fsdp+tp's doubly strided qkv puts rows in the wrong places."""
     return isinstance(parameter, DTensor) and all(
-        isinstance(placement, Shard) and placement.dim == 0 for placement in parameter.placements
+        isinstance(placement, (Shard, _StridedShard)) and placement.dim == 0 for placement in parameter.placements
     )
 
 
@@ -179,7 +182,7 @@ class MuonAdamW(torch.optim.Optimizer):
     decoupled weight decay ``w *= 1 - lr * weight_decay``, then ``w -= lr * 0.2 * sqrt(max(out, in)) * O``
     (torch.optim.Muon with ``adjust_lr_fn="match_rms_adamw"``, which only takes 2-D parameters).
 
-    Sharded parameters (FSDP2, tensor parallelism; ``resolve()`` refuses fsdp+tp) get the update of the whole
+    Sharded parameters (FSDP2, tensor parallelism, both) get the update of the whole
     matrix: each update is gathered over all processes (the meshes span them all), every process
     orthogonalizes the same stack and adds its own elements of the result; the momentum stays sharded. So a
     sharded run takes the steps one process takes."""
