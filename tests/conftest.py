@@ -93,6 +93,17 @@ def amx_tiles_restored():
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """A cache of measured choices of this test's own, on a machine counted as quiet: what other work the
+    host runs meanwhile never keeps an answer out of it (tests/unit/test_choices.py tests that rule)."""
+    from vitrain.train import choices
+
+    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(choices, "other_processes_cpu_s", lambda: 0.0)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread for tiny runs: the suite shares two cores with other work, where several
     threads wait on each other (measured 5x slower per step under load)."""

@@ -14,13 +14,6 @@ from vitrain.config import precision_policy
 from vitrain.models import build_model
 from vitrain.train import attention_probe, build_model_for, make_plan, train
 
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 O2 = precision_policy("bf16", "o2", "cpu")
 
 

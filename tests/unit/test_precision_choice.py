@@ -23,12 +23,6 @@ GPU_NO_BF16 = Hardware(cuda_available=True, bf16_supported=False)
 TINY = ["model.name=vit_tiny6_patch7", "data.image_size=14", "train.batch_size=16", "train.progress=off"]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("VITRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def labels(found):
     return [candidate.label for candidate in found]
 

@@ -6,7 +6,8 @@ precision, precision mode and fused CPU kernels (:mod:`vitrain.train.precision_c
 kept in ``$VITRAIN_CACHE_DIR/measured.json`` (default ``~/.cache/vitrain``) under a key that names the
 question, the device as it computes (:func:`device_key`: on a CPU its model, the ISA ATen and oneDNN use,
 vitrain's AMX switch, the threads and torch) and the shape; later runs of the same shape start at once. A
-missing, unreadable or read-only cache costs a measurement per run, never the run.
+missing, unreadable or read-only cache costs a measurement per run, never the run. An answer measured while
+other processes took the cores the measurement needed serves its run and is not cached (:class:`LoadWatch`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,59 @@ def write_cache(cache: dict[str, Any], path: Path | None = None) -> None:
         log.warning("measured choices: could not cache results in %s (%s)", path, error)
 
 
+BUSY_CORES = 0.25
+"""Cores' worth of CPU time that other processes may take, beyond the cores this process leaves free, before
+a measurement counts as taken on a busy machine (one such measurement cached 169 img/s for a 1,358 img/s
+choice: 2 cores, another 2-thread job beside it)."""
+
+
+def other_processes_cpu_s() -> float | None:
+    """The CPU seconds that every process this one can see, itself excepted, has used (Linux ``/proc``; in
+    a container, the container's processes). None where there is no ``/proc``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    own, ticks, total = str(os.getpid()), os.sysconf("SC_CLK_TCK"), 0
+    for name in names:
+        if not name.isdigit() or name == own:
+            continue
+        try:  # after the command's closing parenthesis: fields 3 on; utime and stime are fields 14 and 15
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return total / ticks
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class LoadWatch:
+    """How many cores other processes kept busy, on average, over a ``with`` block; ``busy`` when they took
+    more than the cores this process's threads leave free (plus :data:`BUSY_CORES`)."""
+
+    def __enter__(self) -> LoadWatch:
+        self.others_cores: float | None = None
+        self._start = (time.perf_counter(), other_processes_cpu_s())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        start_s, start_cpu = self._start
+        end_cpu, wall_s = other_processes_cpu_s(), time.perf_counter() - start_s
+        if start_cpu is not None and end_cpu is not None and wall_s > 0:
+            self.others_cores = max(0.0, end_cpu - start_cpu) / wall_s
+
+    @property
+    def spare_cores(self) -> int:
+        return max(0, usable_cores() - torch.get_num_threads())
+
+    @property
+    def busy(self) -> bool:
+        return self.others_cores is not None and self.others_cores > self.spare_cores + BUSY_CORES
+
+
 def measured_entry(
     key: str, measure: Callable[[], dict[str, Any]], complete: Callable[[dict[str, Any]], bool] = bool
 ) -> tuple[dict[str, Any], bool]:
@@ -80,11 +135,28 @@ def measured_entry(
     entry = cache.get(key)
     if isinstance(entry, dict) and complete(entry):
         return entry, True
-    entry = measure()
+    with LoadWatch() as load:
+        entry = measure()
+    if load.busy:
+        log.warning(
+            "measured choices: other processes kept %.1f of %d cores busy while %s was measured; the answer "
+            "serves this run and is not cached (the next run measures again)",
+            load.others_cores, usable_cores(), key.split(" | ")[0],
+        )  # fmt: skip
+        return entry, False
     cache = read_cache()  # another process may have written meanwhile: keep its answers
     cache[key] = entry
     write_cache(cache)
     return entry, False
 
 
-__all__ = ["CACHE_NAME", "cache_path", "device_key", "measured_entry", "read_cache", "write_cache"]
+__all__ = [
+    "CACHE_NAME",
+    "LoadWatch",
+    "cache_path",
+    "device_key",
+    "measured_entry",
+    "other_processes_cpu_s",
+    "read_cache",
+    "write_cache",
+]
