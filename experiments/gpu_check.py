@@ -59,6 +59,7 @@ class Sizes:
     profile: int = 3
     ladder_steps: int = 5
     compile_backend: str = "inductor"
+    doctor_timeout: int = 60
     pytest_timeout: int = 280
     bench_timeout: int = 60
     ladder_timeout: int = 150
@@ -79,6 +80,7 @@ TINY = Sizes(
     profile=1,
     ladder_steps=1,
     compile_backend="eager",
+    doctor_timeout=240,  # its CPU probes: 60 s and more where bf16 is emulated (AVX2-only EPYC)
     pytest_timeout=120,
     bench_timeout=120,
     ladder_timeout=240,
@@ -222,7 +224,7 @@ def all_stages(out: Path, sizes: Sizes, device: str) -> list[Stage]:
             vitrain_command(
                 "doctor", "--device", device, "--set", "data.name=synthetic", "--json", str(out / "doctor.json")
             ),
-            60,
+            sizes.doctor_timeout,
         ),
         Stage("pytest-gpu", pytest, sizes.pytest_timeout),
         *bench_stages(out, sizes, device),

@@ -4,6 +4,9 @@ this file):
     torchrun ... peer_fault_worker.py kill STEP -- <vitrain arguments>   # SIGKILL, first attempt only
     torchrun ... peer_fault_worker.py hang STEP -- <vitrain arguments>   # sleeps, never returns
 
+In ``hang`` mode rank 0 also spends :data:`SLOW_SETUP_S` alone before the first step (as it does measuring
+the ``auto`` choices): longer than the test's ``parallel.timeout_s``, which must count only from the steps.
+
 ``kill`` is a crash with no clean-up: torchrun (``--max-restarts``) stops the other worker and starts the
 group again (``TORCHELASTIC_RESTART_COUNT`` 1), which resumes from the newest complete checkpoint
 (``--resume auto``). ``hang`` leaves its peers waiting in the next collective until ``parallel.timeout_s``.
@@ -15,6 +18,8 @@ import os
 import signal
 import sys
 import time
+
+SLOW_SETUP_S = 7.0
 
 
 def main() -> int:
@@ -39,6 +44,16 @@ def main() -> int:
         return original(self, *step_args, **kwargs)
 
     TrainStep.__call__ = step_then_maybe_fail
+    if mode == "hang" and os.environ.get("RANK") == "0":
+        import vitrain.train.loop as loop
+
+        probe = loop.run_peaks
+
+        def slow_probe(*probe_args):
+            time.sleep(SLOW_SETUP_S)
+            return probe(*probe_args)
+
+        loop.run_peaks = slow_probe
     return vitrain_main(args)
 
 

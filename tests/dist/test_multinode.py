@@ -185,7 +185,8 @@ def _with_peer_fault(mode: str, step: int, torchrun_options: list[str], train_ar
 
 def test_a_rank_that_hangs_fails_the_group_within_the_timeout_naming_it(tmp_path):
     """Rank 1 stops answering after step 3: rank 0 waits parallel.timeout_s in its next collective, then fails
-    with one line naming rank 1 and the step it last finished, instead of hanging forever."""
+    with one line naming rank 1 and the step it last finished, instead of hanging forever. Before the first step
+    rank 0 works alone for longer than that timeout (its probes), which rank 1 waits out."""
     started = time.monotonic()
     args = _set_args(_overrides(tmp_path / "run", *SHORT, "parallel.timeout_s=5"))
     result = _with_peer_fault("hang", 4, [], args)

@@ -526,7 +526,8 @@ class ParallelConfig(Section):
     fsdp_cpu_offload: bool = False
     """FSDP: keep the sharded parameters, gradients and optimizer state in host memory (CUDA only)."""
     timeout_s: float = Field(600.0, gt=0.0)
-    """Collective timeout: a rank that waits longer (a peer died or hangs) fails the job instead of hanging."""
+    """Collective timeout from the first step (before it, 30 min at least: rank 0 measures alone): a peer
+    that died or hangs fails the job instead of hanging it."""
 
 
 class Config(BaseModel):

@@ -26,9 +26,15 @@ _host_group: dist.ProcessGroup | None = None
 the GPU; None: the default group is gloo already."""
 
 
+SETUP_TIMEOUT_S = 1800.0
+"""How long a collective may wait before the first step (at least): rank 0 alone measures the ``auto`` choices
+and the CPU's matmul peak, and may build the fused kernels (minutes), while its peers wait for the answer.
+:func:`start_step_timeout` then brings in ``parallel.timeout_s``."""
+
+
 def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
-    """Join the run's process group (a no-op for one process). Collectives that wait longer than
-    ``timeout_s`` raise, so a dead or stuck peer fails the job instead of hanging it."""
+    """Join the run's process group (a no-op for one process). Until :func:`start_step_timeout`, collectives
+    wait up to ``max(timeout_s, SETUP_TIMEOUT_S)``."""
     if world.size == 1 or dist.is_initialized():
         return
     rendezvous = slurm_rendezvous(os.environ)  # srun without torchrun: none is set yet
@@ -37,7 +43,7 @@ def init_distributed(world: World, cuda: bool, timeout_s: float) -> None:
         log.info("rendezvous from Slurm: %s", ", ".join(f"{key}={value}" for key, value in rendezvous.items()))
     if cuda:
         torch.cuda.set_device(world.local_rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
         timeout=timeout,
@@ -66,6 +72,20 @@ def attempt_store(environ: Mapping[str, str], world_size: int, timeout: datetime
         environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"/vitrain/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
+def start_step_timeout(timeout_s: float) -> None:
+    """Once every process is here (a barrier under the set-up timeout), a collective of any group this process
+    joined that waits longer than ``timeout_s`` raises: a dead or stuck peer fails the job instead of hanging
+    it, and no peer's solo set-up work counts against the steps' timeout."""
+    if not active():
+        return
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.12
+    for group in list(dist.distributed_c10d._world.pg_map):  # the default group, the host group, mesh groups
+        if dist.get_rank(group) >= 0:  # a member (torch lists no group this process is not in; checked anyway)
+            set_timeout(timeout, group)
 
 
 def close_distributed() -> None:

@@ -24,7 +24,7 @@ from vitrain.data.mixing import mixing_generator
 from vitrain.metrics import MetricsSinks, NullWriter, ThroughputMeter, build_metrics_sinks
 from vitrain.metrics.profiling import StepProfiler
 from vitrain.models.flops import model_flops
-from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value
+from vitrain.parallel.distributed import all_reduce_, any_rank, broadcast_object, rank0_value, start_step_timeout
 from vitrain.parallel.heartbeat import Heartbeat
 from vitrain.train.build import (
     Run,
@@ -79,6 +79,7 @@ class Trainer:
         world = self.plan.world
         self.heartbeat = Heartbeat(world.rank, world.size, self.plan.config.parallel.timeout_s)
         self.profiler = StepProfiler(self.plan.loop.profile, self.plan.out_dir, self.plan.world.rank, self.plan.device)
+        start_step_timeout(self.plan.config.parallel.timeout_s)  # rank 0's probes above are set-up
         self.wall_started = self.last_checkpoint_at = clock()
 
     # --- clocks and position -----------------------------------------------------------------
